@@ -1,0 +1,1 @@
+"""Triton kernels (exported from chapter 02), installed as moe_book.kernels."""

@@ -1,0 +1,1 @@
+"""Token mixers, feed-forward and residual types; each module is exported from one chapter."""
