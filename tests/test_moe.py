@@ -1,0 +1,371 @@
+"""Chapter 05: Latent MoE, grouped experts, balancers and monitoring (CPU; GPU tests marked `gpu`)."""
+import json
+import math
+
+import pytest
+import torch
+
+from moe_book.config import ConfigError, MoEConfig, get_config
+from moe_book.layers.moe import (BALANCERS, GroupedExperts, LatentMoE, MaxVioAlert, Router, experts_reference,
+                                 expert_counts, grouped_mm_works, load_stats, make_balancer, maxvio_summary,
+                                 moe_panel, quantile_bias, situ_glu, swiglu, worst_maxvio)
+
+
+def rms_rel(a, b):
+    return ((a - b).double().pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt().clamp_min(1e-30)).item()
+
+
+def moe_model_cfg(**moe):
+    cfg = get_config("tiny", ["model.ffn=moe"]).model
+    for k, v in moe.items():
+        setattr(cfg.moe, k, v)
+    return cfg
+
+
+def routing_with_idle_experts(n_tok, n_experts, top_k, n_used, seed=0):
+    "Each token picks top_k distinct experts among the first n_used; the rest get no tokens."
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.randperm(n_used, generator=g)[:top_k] for _ in range(n_tok)])
+
+
+# ----------------------------------------------------------------------------------------------- grouped experts
+BACKENDS = ["loop"] + (["grouped_mm"] if grouped_mm_works(torch.device("cpu"), torch.float32) else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("act", ["situ", "swiglu"])
+def test_grouped_experts_match_per_token_loop(backend, act):
+    "Dropless grouped path == per-token loop in fp32 (1e-5 RMS-relative), outputs and all gradients, idle experts included."
+    torch.manual_seed(0)
+    n, k, N, d_in, h, d_out = 8, 3, 40, 32, 16, 24
+    ex = GroupedExperts(n, d_in, h, d_out, act=act, std=0.3, down_std=0.3)
+    x = torch.randn(N, d_in, requires_grad=True)
+    idx = routing_with_idle_experts(N, n, k, n_used=5)
+    w = torch.rand(N, k, requires_grad=True)
+    gy = torch.randn(N, d_out)
+    inputs = (x, w, ex.gate_up, ex.down)
+    fast = ex(x, idx, w, backend=backend)
+    ref = experts_reference(x, idx, w, ex.gate_up, ex.down, act)
+    assert rms_rel(fast, ref) < 1e-5
+    for gf, gr in zip(torch.autograd.grad(fast, inputs, gy), torch.autograd.grad(ref, inputs, gy)):
+        assert rms_rel(gf, gr) < 1e-5
+    assert expert_counts(idx, n)[5:].sum() == 0
+    g_up = torch.autograd.grad(ex(x, idx, w, backend=backend), ex.gate_up, gy)[0]
+    assert g_up[5:].abs().max() == 0        # idle experts get exactly zero gradient
+
+
+def test_grouped_mm_cpu_support_is_what_we_claim():
+    "torch's CPU grouped_mm: fp32 works here (torch >= 2.13) and fp64 does not, so fp64 takes the loop path."
+    assert not grouped_mm_works(torch.device("cpu"), torch.float64)
+    ex = GroupedExperts(4, 8, 4, 8, std=0.3, down_std=0.3).double()
+    x = torch.randn(10, 8, dtype=torch.float64)
+    idx = routing_with_idle_experts(10, 4, 2, 3)
+    w = torch.rand(10, 2, dtype=torch.float64)
+    assert rms_rel(ex(x, idx, w), experts_reference(x, idx, w, ex.gate_up, ex.down)) < 1e-12
+
+
+def test_unaligned_widths_fall_back_to_loop():
+    "A hidden width whose rows are not 16-byte aligned (fp32 width 5) still works (auto picks the loop)."
+    torch.manual_seed(0)
+    ex = GroupedExperts(4, 6, 5, 7, std=0.3, down_std=0.3)
+    x, idx, w = torch.randn(12, 6), routing_with_idle_experts(12, 4, 2, 4), torch.rand(12, 2)
+    assert rms_rel(ex(x, idx, w), experts_reference(x, idx, w, ex.gate_up, ex.down)) < 1e-5
+
+
+def test_situ_glu_definition_and_bound():
+    x = torch.linspace(-50, 50, 1001)
+    gate = 4.0 * torch.tanh(x / 4.0) * torch.sigmoid(x)
+    up = 25.0 * torch.tanh(x.flip(0) / 25.0)
+    assert torch.equal(situ_glu(x, x.flip(0)), gate * up)
+    assert situ_glu(x * 1e3, x * 1e3).abs().max() <= 100.0 + 1e-4
+    small = torch.linspace(-1e-2, 1e-2, 11)
+    assert torch.allclose(situ_glu(small, small), swiglu(small, small), rtol=1e-3, atol=1e-9)
+
+
+# --------------------------------------------------------------------------------------------------- the layer
+def test_latent_identity_reduces_to_plain_moe():
+    "latent_dim = d with identity projections == the ordinary MoE (latent_dim = 0) with the same weights."
+    torch.manual_seed(0)
+    lat = LatentMoE(moe_model_cfg(latent_dim=128, d_expert=64), 0)
+    flat = LatentMoE(moe_model_cfg(latent_dim=0, d_expert=64), 0)
+    flat.load_state_dict({k: v for k, v in lat.state_dict().items() if not k.startswith("latent_")})
+    with torch.no_grad():
+        lat.latent_down.weight.copy_(torch.eye(128))
+        lat.latent_up.weight.copy_(torch.eye(128))
+        lat.experts.down.mul_(30)
+        flat.experts.down.mul_(30)
+    x = torch.randn(3, 10, 128)
+    assert rms_rel(lat(x), flat(x)) < 1e-6
+
+
+def test_layer_matches_composed_reference_with_grads():
+    torch.manual_seed(1)
+    layer = LatentMoE(moe_model_cfg(latent_dim=64, d_expert=32, n_experts=8, top_k=2), 0)
+    x = torch.randn(30, 128, requires_grad=True)
+
+    def reference(x):
+        s, i, w = layer.router(x)
+        h = layer.latent_down(x)
+        y = experts_reference(h, i, w, layer.experts.gate_up, layer.experts.down, layer.experts.act)
+        return layer.latent_up(y) + layer.shared(x)
+    params = [x] + list(layer.parameters())
+    for a, b in zip(torch.autograd.grad(layer(x).square().sum(), params),
+                    torch.autograd.grad(reference(x).square().sum(), params)):
+        assert rms_rel(a, b) < 1e-5
+
+
+def test_residual_out_and_init():
+    cfg = moe_model_cfg(latent_dim=64)
+    layer = LatentMoE(cfg, 0)
+    assert layer.latent_up.is_residual_out and layer.shared.down.is_residual_out
+    flat = LatentMoE(moe_model_cfg(latent_dim=0), 0)
+    assert flat.experts.down_std == pytest.approx(cfg.init_std / math.sqrt(2 * cfg.n_layers))
+
+
+# ------------------------------------------------------------------------------------------------------- router
+def test_bias_has_no_gradient_and_does_not_change_weights():
+    torch.manual_seed(0)
+    r = Router(16, 8, 2, route_scale=2.0)
+    x = torch.randn(200, 16)
+    s0, i0, w0 = r(x)
+    r.bias.copy_(torch.randn(8))
+    s1, i1, w1 = r(x)
+    assert not r.bias.requires_grad and "bias" not in dict(r.named_parameters())
+    assert (i0 != i1).any()                                  # the bias does change the selection ...
+    expect = s1.gather(1, i1) / s1.gather(1, i1).sum(-1, keepdim=True) * 2.0
+    assert torch.equal(w1, expect)                           # ... but weights are the unbiased scores, renormalised
+    same = (i0 == i1).all(-1)
+    assert same.any() and torch.equal(w0[same], w1[same])
+    w1.sum().backward()
+    assert r.bias.grad is None and r.proj.weight.grad is not None
+
+
+def test_ties_are_handled():
+    "All scores equal (zero router): k distinct experts, equal weights, finite quantile bias and a runnable step."
+    cfg = moe_model_cfg(n_experts=8, top_k=3, balancer="quantile")
+    layer = LatentMoE(cfg, 0).train()
+    with torch.no_grad():
+        layer.router.proj.weight.zero_()
+    x = torch.randn(64, 128)
+    scores, idx, w = layer.router(x)
+    assert all(len(set(row)) == 3 for row in idx.tolist())
+    assert torch.allclose(w, torch.full_like(w, 1.0 / 3))
+    b = quantile_bias(scores, layer.router.bias, 3)
+    assert torch.isfinite(b).all() and abs(b.sum().item()) < 1e-6
+    layer(x).sum().backward()
+    layer.post_step()
+    assert torch.isfinite(layer.router.bias).all()
+    # duplicated tokens: ties inside each expert's margins; the quantile solve still balances the batch
+    torch.manual_seed(0)
+    base = torch.sigmoid(torch.randn(256, 16) + torch.linspace(-1.5, 1.5, 16))
+    assert _fixed_batch_updates_to(base.repeat(4, 1), 16, 4, 0.05, 10) is not None
+
+
+# ---------------------------------------------------------------------------------------------------- balancers
+def _fixed_batch_updates_to(scores, n, k, level, max_updates, rule="quantile", rate=1e-3):
+    "Updates of `rule` on one fixed batch until its MaxVio < level (None if not within max_updates)."
+    bal = make_balancer(MoEConfig(n_experts=n, top_k=k, balancer=rule, bias_update_rate=rate, balance_window=8))
+    bias = torch.zeros(n)
+    for u in range(max_updates + 1):
+        idx = torch.topk(scores + bias, k, dim=-1).indices
+        load = expert_counts(idx, n)
+        if load_stats(load)["maxvio"] < level:
+            return u
+        bal.observe(scores, idx, bias)
+        bal.update(bias, load)
+    return None
+
+
+def test_quantile_balances_a_fixed_batch_in_a_few_updates():
+    "Repeated quantile updates drive a skewed batch's MaxVio (> 2 at start) below 0.05 within 6 updates."
+    torch.manual_seed(0)
+    scores = torch.sigmoid(torch.randn(4096, 64) + torch.linspace(-2, 2, 64) + 0.5 * torch.randn(4096, 1))
+    idx = torch.topk(scores, 6, dim=-1).indices
+    assert load_stats(expert_counts(idx, 64))["maxvio"] > 2
+    n_updates = _fixed_batch_updates_to(scores, 64, 6, 0.05, 6)
+    assert n_updates is not None and n_updates <= 3          # measured: 1 update (8 sweeps, window 8)
+    # the sign rule at its default step is nowhere near after the same number of updates
+    assert _fixed_batch_updates_to(scores, 64, 6, 0.05, 6, rule="sign_bias") is None
+
+
+def test_quantile_through_the_layer_and_post_step():
+    "The same through LatentMoE: training forwards on one batch + post_step() drive step_metrics' MaxVio < 0.05."
+    torch.manual_seed(0)
+    layer = LatentMoE(moe_model_cfg(n_experts=16, top_k=2, balancer="quantile", d_expert=16, n_shared=0), 3).train()
+    u = torch.nn.functional.normalize(torch.randn(128), dim=0)
+    x = torch.randn(2048, 128) + 2 * u                       # a shared direction the router can be skewed along
+    with torch.no_grad():
+        layer.router.proj.weight.add_(torch.linspace(-1, 1, 16)[:, None] * u)
+    maxvio = []
+    for _ in range(8):
+        layer(x)
+        layer.post_step()
+        maxvio.append(layer.step_metrics()["moe/L3/maxvio"])
+    assert maxvio[0] > 0.5
+    # step_metrics reports the loads of the batch routed *before* each update: maxvio[u] is after u updates
+    first = next(u for u, v in enumerate(maxvio) if v < 0.05)
+    assert first <= 3 and max(maxvio[first:]) < 0.05      # measured: 1 update, for seeds 0-2
+
+
+def test_step_rules():
+    cfg = MoEConfig(n_experts=4, top_k=1, bias_update_rate=0.1)
+    load = torch.tensor([10, 30, 20, 20])
+    for rule, expect in [("sign_bias", [0.1, -0.1, 0.0, 0.0]),
+                         ("proportional", [0.05, -0.05, 0.0, 0.0]),
+                         ("quantile_step", [0.1, -0.1, 0.0, 0.0]),
+                         ("none", [0.0, 0.0, 0.0, 0.0])]:
+        cfg.balancer = rule
+        bias = torch.zeros(4)
+        make_balancer(cfg).update(bias, load)
+        assert torch.allclose(bias, torch.tensor(expect)), (rule, bias)
+
+
+def test_aux_loss_only_in_training_and_only_for_aux_balancer():
+    torch.manual_seed(0)
+    x = torch.randn(50, 128)
+    for bal in BALANCERS:
+        layer = LatentMoE(moe_model_cfg(balancer=bal, aux_loss_coef=0.01), 0).train()
+        layer(x)
+        assert (layer.aux_loss is not None) == (bal == "aux_loss")
+        layer.eval()
+        with torch.no_grad():
+            layer(x)
+        assert layer.aux_loss is None
+    layer = LatentMoE(moe_model_cfg(balancer="aux_loss", aux_loss_coef=0.01, n_experts=8, top_k=2), 0).train()
+    layer(x)
+    s, i, _ = layer.router(x)
+    f = expert_counts(i, 8).float() / i.numel()
+    p = (s / s.sum(-1, keepdim=True)).mean(0)
+    assert layer.aux_loss.item() == pytest.approx(0.01 * 8 * (f * p).sum().item(), rel=1e-5)
+    layer.aux_loss.backward()
+    assert layer.router.proj.weight.grad.abs().sum() > 0
+
+
+def test_model_integration_metrics_and_checkpoint_state():
+    "CausalLM with ffn=moe: aux loss reaches the loss, post_step moves biases, step_metrics has every layer."
+    from moe_book.model import CausalLM
+    cfg = get_config("tiny", ["model.ffn=moe", "model.moe.balancer=quantile", "model.n_layers=2"]).model
+    model = CausalLM(cfg).train()
+    idx = torch.randint(0, cfg.vocab_size, (2, 64))
+    _, loss = model(idx, idx)
+    loss.backward()
+    assert model.step_metrics() == {}                 # nothing completed yet
+    model.post_step()
+    m = model.step_metrics()
+    for layer in range(2):
+        assert sum(m[f"moe/L{layer}/load"]) == 2 * 64 * cfg.moe.top_k
+        assert {f"moe/L{layer}/{k}" for k in ("maxvio", "dead", "entropy", "bias_spread")} <= m.keys()
+    sd = model.state_dict()
+    assert any(k.endswith("router.bias") for k in sd) and any(k.endswith("balancer.window") for k in sd)
+    assert not any(k.endswith("router.bias") for k, _ in model.named_parameters())
+    # the aux_loss balancer's term is part of the model loss
+    cfg_aux = get_config("tiny", ["model.ffn=moe", "model.moe.balancer=aux_loss", "model.n_layers=2"]).model
+    torch.manual_seed(0)
+    m_aux = CausalLM(cfg_aux).train()
+    _, l_aux = m_aux(idx, idx)
+    aux = sum(mod.aux_loss for mod in m_aux.modules() if isinstance(mod, LatentMoE))
+    m_aux.eval()
+    with torch.no_grad():
+        _, l_plain = m_aux(idx, idx)
+    assert l_aux.item() == pytest.approx(l_plain.item() + aux.item(), rel=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------------ errors
+def test_config_errors_are_clear():
+    with pytest.raises(ConfigError, match="top_k"):
+        get_config("tiny", ["model.ffn=moe", "model.moe.top_k=9"])
+    with pytest.raises(ConfigError, match="latent_dim"):
+        get_config("tiny", ["model.ffn=moe", "model.moe.latent_dim=256"])
+    # the module repeats the checks for configs built by hand (no validate())
+    for field, value, match in [("top_k", 9, "top_k"), ("latent_dim", 256, "latent_dim"),
+                                ("balancer", "quantiles", "balancer.*choose one of"), ("act", "gelu", "act")]:
+        cfg = moe_model_cfg(**{field: value})
+        with pytest.raises(ConfigError, match=match):
+            LatentMoE(cfg, 0)
+    with pytest.raises(ValueError, match="balancer"):       # ConfigError is a ValueError
+        make_balancer(MoEConfig(balancer="nope"))
+
+
+# -------------------------------------------------------------------------------------------------- monitoring
+def test_monitoring_helpers():
+    m = {"moe/L0/maxvio": 0.2, "moe/L5/maxvio": 0.7, "moe/L0/load": [1, 3], "moe/L5/load": [0, 4], "loss": 1.0}
+    assert worst_maxvio(m) == (0.7, 5)
+    panel = moe_panel(m)
+    assert panel["panel/MaxVio worst (L5)"] == 0.7 and panel["panel/expert load min/mean"] == 0.0
+    alert = MaxVioAlert(threshold=0.5, patience=2)
+    out = [alert.check(s, m) for s in range(4)] + [alert.check(4, {"moe/L0/maxvio": 0.1})] + \
+          [alert.check(s, m) for s in range(5, 7)]
+    assert [o is not None for o in out] == [False, True, False, False, False, False, True]
+    st = load_stats([0, 2, 2, 4])
+    assert st == {"maxvio": 1.0, "dead": 1, "entropy": pytest.approx(-(0.25 * math.log(0.25) * 2 + 0.5 * math.log(0.5)) / math.log(4))}
+    hist = [{"step": s, "moe/L0/maxvio": float(s), "moe/L1/maxvio": 2.0 * s} for s in range(10)]
+    assert maxvio_summary(hist) == {"maxvio": pytest.approx((8 * 1.5 + 9 * 1.5) / 2), "maxvio_worst": pytest.approx(17.0)}
+
+
+# --------------------------------------------------------------------------------------------------- benchmarks
+def test_bench_moe_toy(tmp_path):
+    from moe_book.bench.moe import main
+    out = tmp_path / "bench_moe.json"
+    r = main(["--toy", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["summary"]["fraction_of_grouped_mm"] > 0 and "speedup_vs_hf_experts" in saved["summary"]
+    assert {row["name"] for row in r["rows"]} >= {"bare grouped_mm (expert GEMMs)", "our GroupedExperts (swiglu)"}
+    assert saved["shapes"]["tokens"] == 256
+
+
+def test_bench_balance_toy(tmp_path):
+    from moe_book.bench.balance import main
+    out = tmp_path / "balance.json"
+    r = main(["--preset", "tiny", "--tokens", "128", "--balancers", "none,quantile", "--out", str(out),
+              "--runs-dir", str(tmp_path / "runs"), "--quiet",
+              "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.head_dim=16", "model.moe.d_expert=16",
+              "train.batch_size=2", "train.seq_len=32", "train.eval_batches=1", "train.warmup_steps=1"])
+    s = json.loads(out.read_text())["summary"]
+    assert set(s) == {"none", "quantile"}
+    assert all(math.isfinite(v["heldout_loss"]) and v["maxvio"] is not None for v in s.values())
+    assert out.with_suffix(".png").exists() and not (tmp_path / "runs" / "tiny_none" / "ckpt").exists()
+
+
+# --------------------------------------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_gpu_grouped_mm_bf16_matches_loop():
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    assert grouped_mm_works(dev, torch.bfloat16)
+    ex = GroupedExperts(16, 256, 128, 256, std=0.05, down_std=0.05).to(dev)
+    x = torch.randn(1024, 256, device=dev, requires_grad=True)
+    idx = routing_with_idle_experts(1024, 16, 4, 14).to(dev)
+    w = torch.rand(1024, 4, device=dev)
+    gy = torch.randn(1024, 256, device=dev)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        fast = ex(x, idx, w, backend="grouped_mm")
+    g_fast = torch.autograd.grad(fast, (x, ex.gate_up, ex.down), gy.to(fast.dtype))
+    ref = experts_reference(x.double().cpu(), idx.cpu(), w.double().cpu(), ex.gate_up.double().cpu(),
+                            ex.down.double().cpu(), "situ")
+    assert rms_rel(fast.cpu(), ref) < 2e-2
+    xs = x.detach().double().cpu().requires_grad_()
+    gu, dn = ex.gate_up.detach().double().cpu().requires_grad_(), ex.down.detach().double().cpu().requires_grad_()
+    g_ref = torch.autograd.grad(experts_reference(xs, idx.cpu(), w.double().cpu(), gu, dn, "situ"), (xs, gu, dn),
+                                gy.double().cpu())
+    for a, b in zip(g_fast, g_ref):
+        assert rms_rel(a.cpu(), b) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_layer_trains_under_autocast():
+    from moe_book.model import CausalLM
+    cfg = get_config("tiny", ["model.ffn=moe", "model.moe.latent_dim=64"]).model
+    model = CausalLM(cfg).cuda().train()
+    idx = torch.randint(0, cfg.vocab_size, (4, 128), device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        _, loss = model(idx, idx)
+    loss.backward()
+    model.post_step()
+    assert torch.isfinite(loss) and "moe/L0/maxvio" in model.step_metrics()
+
+
+@pytest.mark.gpu
+def test_gpu_bench_moe_toy(tmp_path):
+    from moe_book.bench.moe import main
+    r = main(["--toy", "--out", str(tmp_path / "b.json")])
+    assert r["summary"]["fraction_of_grouped_mm"] > 0
