@@ -4,6 +4,7 @@ VENV    := .venv
 BIN     := $(VENV)/bin
 PYTHON  := $(BIN)/python
 STAMP   := $(VENV)/.installed
+DEV_STAMP := $(VENV)/.installed-dev
 PRESET  ?=
 TOKENS  ?=
 ARGS    ?=
@@ -11,21 +12,30 @@ BENCH   ?= kda
 
 .PHONY: setup test test-gpu train bench export notebooks lab data clean-venv
 
-setup: $(STAMP)
+setup: $(DEV_STAMP)
 
-# On a machine whose python already has a CUDA torch (the GPU image) the venv links that site-packages in with a
-# .pth file instead of installing torch again; elsewhere torch==2.13.0 comes first, so pip never pulls a CUDA build.
+# Runtime install (what `make train` needs). On a machine whose python already has a CUDA torch (a GPU image) the
+# venv links that site-packages in with a .pth file instead of installing torch again; elsewhere torch==2.13.0 comes
+# first, so pip never pulls a multi-GB CUDA build onto a CPU machine. An offline GPU image that lacks some
+# dependency still gets the package itself (--no-deps); whatever is missing then fails at import with its name.
 $(STAMP): pyproject.toml
 	@test -x $(PYTHON) || $(PY) -m venv $(VENV)
 	@if $(PY) -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then \
-	    echo "setup: reusing $(PY)'s CUDA torch"; \
+	    echo "setup: reusing $(PY)'s CUDA torch and packages"; \
 	    $(PY) -c "import site; print('\n'.join(site.getsitepackages()))" \
 	        > $$($(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/system_torch.pth; \
-	elif ! $(PYTHON) -c "import torch" 2>/dev/null; then \
-	    $(PYTHON) -m pip install -q torch==2.13.0; \
+	    $(PYTHON) -m pip install -q -e . || { echo "setup: offline? installing moe_book without its dependencies"; \
+	        $(PYTHON) -m pip install -q --no-deps --no-build-isolation -e .; }; \
+	else \
+	    $(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q torch==2.13.0; \
+	    $(PYTHON) -m pip install -q -e .; \
 	fi
-	$(PYTHON) -m pip install -q -e ".[dev]"
 	@touch $(STAMP)
+
+# Development tools (tests, notebooks, export, JupyterLab).
+$(DEV_STAMP): $(STAMP)
+	$(PYTHON) -m pip install -q -e ".[dev]"
+	@touch $(DEV_STAMP)
 
 export: setup
 	$(PYTHON) tools/export.py
@@ -36,16 +46,16 @@ test: export
 	$(PYTHON) -m pytest -q tests/; rc=$$?; [ $$rc -eq 5 ] && echo "make test: pytest collected no tests in tests/ - the setup is broken"; [ $$rc -eq 0 ] || exit 1
 	$(PYTHON) -m pytest -q --nbval-lax --nbval-current-env chapters/; rc=$$?; [ $$rc -eq 5 ] && echo "make test: no notebooks collected in chapters/"; [ $$rc -eq 0 ] || exit 1
 
-test-gpu: setup
+test-gpu: $(STAMP)
 	$(PYTHON) -m pytest -q -m gpu tests/
 
-train: setup
+train: $(STAMP)
 	$(PYTHON) -m moe_book.train $(if $(PRESET),--preset $(PRESET)) $(if $(TOKENS),train.tokens=$(TOKENS)) $(ARGS)
 
-data: setup
+data: $(STAMP)
 	$(PYTHON) -m moe_book.data prepare $(if $(PRESET),--preset $(PRESET)) $(ARGS)
 
-bench: setup
+bench: $(STAMP)
 	$(PYTHON) -m moe_book.bench $(BENCH) $(ARGS)
 
 # Re-execute every chapter in place (committed notebooks carry the outputs of a CPU run).
