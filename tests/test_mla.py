@@ -154,9 +154,20 @@ def test_cache_of_another_layer_config_or_type_is_a_clear_error():
             m(x, cache=new_caches(kda_model, 2, 8)[0])
 
 
+class NoCacheMixer(torch.nn.Module):
+    "A mixer that can run a full forward but offers no decode cache (like the chapter-00 attention baseline)."
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x)
+
+
 def test_mixers_without_a_cache_get_a_clear_error():
-    model = CausalLM(get_config("tiny", ["model.mixer=attn", "model.global_mixer=mla"]).model)
-    with pytest.raises(ValueError, match="no decode cache.*use_cache=False"):
+    model = CausalLM(get_config("tiny", ALL_MLA).model)
+    model.layers[1].mixer = NoCacheMixer(model.layers[1].mixer)
+    with pytest.raises(ValueError, match="layer 1 .*no decode cache.*use_cache=False"):
         generate(model, [1, 2, 3], max_new_tokens=2)
     out = generate(model, [1, 2, 3], max_new_tokens=2, temperature=0, use_cache=False)   # the fallback works
     assert len(out.new_tokens[0]) == 2
