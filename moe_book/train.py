@@ -2,9 +2,9 @@
 
 # %% auto #0
 __all__ = ['pick_device', 'lr_lambda', 'make_optimizer', 'Checkpointer', 'train_state', 'restore_state', 'Monitor', 'evaluate',
-           'train', 'main']
+           'train', 'plot_run', 'main']
 
-# %% ../chapters/00_foundations.ipynb #9f0ca716
+# %% ../chapters/00_foundations.ipynb #164be4d1
 import dataclasses
 import json
 import math
@@ -16,6 +16,8 @@ import warnings
 from pathlib import Path
 import torch
 from moe_book.config import Config, ConfigError, get_config, total_steps
+import numpy as np
+
 from moe_book.data import DataError, TokenBatches, data_dir_for, load_split, prepare, read_manifest
 from moe_book.model import CausalLM
 
@@ -25,7 +27,7 @@ def pick_device(cfg: Config) -> torch.device:
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu (or auto)")
     return torch.device("cuda" if want in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
 
-# %% ../chapters/00_foundations.ipynb #dd31f902
+# %% ../chapters/00_foundations.ipynb #2aa92a04
 def lr_lambda(cfg: Config, steps: int):
     "Linear warmup to the peak, then cosine down to min_lr_ratio of it."
     t = cfg.train
@@ -36,7 +38,7 @@ def lr_lambda(cfg: Config, steps: int):
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return f
 
-# %% ../chapters/00_foundations.ipynb #1facb1f3
+# %% ../chapters/00_foundations.ipynb #ae194c2e
 def make_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
     "AdamW; weight decay on matrices only (norm gains, biases and per-channel vectors are left alone)."
     params = [p for p in model.parameters() if p.requires_grad]
@@ -46,7 +48,7 @@ def make_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                              lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda")
 
-# %% ../chapters/00_foundations.ipynb #6c3e0e2a
+# %% ../chapters/00_foundations.ipynb #203284b9
 class Checkpointer:
     """Checkpoints under <out_dir>/ckpt/step_XXXXXXXX, written with torch.distributed.checkpoint (one process or
     many). Each is written to a `.tmp` folder and renamed into place only when complete, then LATEST is replaced
@@ -95,7 +97,7 @@ class Checkpointer:
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
         return path
 
-# %% ../chapters/00_foundations.ipynb #1722433d
+# %% ../chapters/00_foundations.ipynb #699f12b4
 def train_state(model, opt, sched, step: int, cfg: Config) -> dict:
     "Everything a resumed run needs: weights, optimizer moments, schedule, data position (the step), RNG states."
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -106,7 +108,7 @@ def train_state(model, opt, sched, step: int, cfg: Config) -> dict:
     return {"model": model_sd, "optim": optim_sd, "sched": sched.state_dict(), "step": step, "rng": rng,
             "config": json.dumps(dataclasses.asdict(cfg))}
 
-# %% ../chapters/00_foundations.ipynb #2c72c9c6
+# %% ../chapters/00_foundations.ipynb #c3a8d80a
 def restore_state(state: dict, model, opt, sched):
     from torch.distributed.checkpoint.state_dict import set_state_dict
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -116,7 +118,7 @@ def restore_state(state: dict, model, opt, sched):
         torch.cuda.set_rng_state(state["rng"]["cuda"])
     return state["step"]
 
-# %% ../chapters/00_foundations.ipynb #ad93fa71
+# %% ../chapters/00_foundations.ipynb #2ae3c043
 class Monitor:
     "Rich live panel on a terminal, plain lines elsewhere (notebooks, CI logs), and metrics.jsonl always."
     def __init__(self, cfg: Config, out_dir: Path, steps: int, start: int, verbose: bool):
@@ -174,7 +176,7 @@ class Monitor:
             self.live.stop()
         self.file.close()
 
-# %% ../chapters/00_foundations.ipynb #0dbe65b3
+# %% ../chapters/00_foundations.ipynb #28bc9157
 @torch.no_grad()
 def evaluate(model, batches: TokenBatches, n: int, device, autocast) -> float:
     "Mean loss over n fixed held-out batches (the same ones at every evaluation)."
@@ -188,7 +190,7 @@ def evaluate(model, batches: TokenBatches, n: int, device, autocast) -> float:
     model.train()
     return torch.stack(losses).mean().item()
 
-# %% ../chapters/00_foundations.ipynb #edb1863e
+# %% ../chapters/00_foundations.ipynb #33784d8a
 def train(cfg: Config, resume: bool = False, verbose: bool = True, stop_after: int = None) -> dict:
     """Train `cfg` to its budget and return the run summary (also written to <out_dir>/summary.json).
     With resume=True, continue from the newest complete checkpoint in <out_dir>/ckpt, if any.
@@ -282,7 +284,30 @@ def train(cfg: Config, resume: bool = False, verbose: bool = True, stop_after: i
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
-# %% ../chapters/00_foundations.ipynb #9cf829d1
+# %% ../chapters/00_foundations.ipynb #891e1f1c
+def plot_run(run_dir, path=None, title=None):
+    "Train and held-out loss curves of a run from its metrics.jsonl; saved to `path` when given."
+    import matplotlib
+    if path:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "event" not in r]
+    evals = [r for r in rows if r.get("event") == "log" and r.get("heldout_loss") is not None]
+    fig, ax = plt.subplots(figsize=(6.5, 3.8))
+    ax.plot([r["step"] for r in steps], [r["loss"] for r in steps], lw=0.6, alpha=0.5, label="train loss (per step)")
+    w = max(1, len(steps) // 50)
+    smooth = np.convolve([r["loss"] for r in steps], np.ones(w) / w, mode="valid")
+    ax.plot([r["step"] for r in steps][w - 1:], smooth, lw=1.5, label=f"train loss ({w}-step mean)")
+    ax.plot([r["step"] for r in evals], [r["heldout_loss"] for r in evals], "o-", label="held-out loss")
+    ax.set_xlabel("step"); ax.set_ylabel("nats / token"); ax.legend(); ax.set_title(title or str(run_dir))
+    fig.tight_layout()
+    if path:
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+    return fig
+
+# %% ../chapters/00_foundations.ipynb #624a030e
 def main(argv=None):
     import argparse
     p = argparse.ArgumentParser(prog="python -m moe_book.train", description=__doc__)
@@ -306,7 +331,7 @@ def main(argv=None):
     print(f"train: done. train loss {s['train_loss']:.4f}, held-out loss {s['heldout_loss']:.4f} "
           f"(unigram baseline {s['unigram_entropy_nats']:.4f}), {s['tokens_per_s']:,.0f} tokens/s")
 
-# %% ../chapters/00_foundations.ipynb #7dbddc92
+# %% ../chapters/00_foundations.ipynb #1c0cb5cc
 if __name__ == "__main__" and "__file__" in globals():  # a script, not this cell in the notebook
     try:
         main()
