@@ -5,7 +5,7 @@ __all__ = ['PRESETS', 'MIXER_TYPES', 'FFN_TYPES', 'RESIDUAL_TYPES', 'ConfigError
            'ModelConfig', 'DataConfig', 'TrainConfig', 'Config', 'book_root', 'tiny', 'small', 'apply_overrides',
            'validate', 'get_config', 'total_steps']
 
-# %% ../chapters/00_foundations.ipynb #56f181df
+# %% ../chapters/00_foundations.ipynb #e513b19e
 import dataclasses
 import typing
 from dataclasses import dataclass, field
@@ -14,7 +14,7 @@ from pathlib import Path
 class ConfigError(ValueError):
     """A bad config key or value; the message names the key and how to fix it."""
 
-# %% ../chapters/00_foundations.ipynb #fadb822d
+# %% ../chapters/00_foundations.ipynb #c66f42f4
 @dataclass
 class KDAConfig:
     "Kimi Delta Attention (chapter 01): per-channel bounded decay, delta-rule state of head_dim x head_dim per head."
@@ -27,7 +27,7 @@ class KDAConfig:
     chunk_size: int = 64
     backend: str = "auto"    # "auto" (Triton on CUDA, chunked torch on CPU), "torch", "triton"
 
-# %% ../chapters/00_foundations.ipynb #ddf85ae9
+# %% ../chapters/00_foundations.ipynb #08488b71
 @dataclass
 class MLAConfig:
     "Gated Multi-head Latent Attention (chapter 03)."
@@ -41,7 +41,7 @@ class MLAConfig:
     rope_theta: float = 10000.0
     gate: str = "head"       # "none", "head" (one scalar per head and token), "channel" (elementwise)
 
-# %% ../chapters/00_foundations.ipynb #f641a260
+# %% ../chapters/00_foundations.ipynb #96ba1fba
 @dataclass
 class MoEConfig:
     "Stable Latent MoE (chapter 05)."
@@ -57,7 +57,7 @@ class MoEConfig:
     bias_update_rate: float = 1e-3
     balance_window: int = 8
 
-# %% ../chapters/00_foundations.ipynb #2bef17a9
+# %% ../chapters/00_foundations.ipynb #fc84b8e6
 @dataclass
 class ModelConfig:
     vocab_size: int = 4096
@@ -94,7 +94,7 @@ class ModelConfig:
         "Feed-forward type of layer `layer` (0-based)."
         return "mlp" if layer < self.first_dense else self.ffn
 
-# %% ../chapters/00_foundations.ipynb #2b50e325
+# %% ../chapters/00_foundations.ipynb #7623e38b
 @dataclass
 class DataConfig:
     dir: str = "data/cache"       # shards, tokenizer and manifest go to <dir>/<name>
@@ -105,7 +105,7 @@ class DataConfig:
     long_doc_min_tokens: int = 100_000
     shard_tokens: int = 50_000_000
 
-# %% ../chapters/00_foundations.ipynb #ff9f6b16
+# %% ../chapters/00_foundations.ipynb #f4848d8c
 @dataclass
 class TrainConfig:
     seed: int = 1337
@@ -130,7 +130,7 @@ class TrainConfig:
     live: str = "auto"            # rich live panel: "auto" (when stdout is a terminal), "on", "off"
     compile: bool = False
 
-# %% ../chapters/00_foundations.ipynb #8e311bdb
+# %% ../chapters/00_foundations.ipynb #f44c4088
 @dataclass
 class Config:
     preset: str = "tiny"
@@ -138,7 +138,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
-# %% ../chapters/00_foundations.ipynb #98a5f28a
+# %% ../chapters/00_foundations.ipynb #4a73ab26
 def book_root() -> Path:
     """The repository root, where data/, runs/ and results/ live. Jupyter runs a chapter with chapters/ as the
     working directory; each chapter's first cell does os.chdir(book_root()) so paths mean the same everywhere."""
@@ -148,16 +148,16 @@ def book_root() -> Path:
             return d
     return here
 
-# %% ../chapters/00_foundations.ipynb #d6fbe122
+# %% ../chapters/00_foundations.ipynb #97b3b182
 def tiny() -> Config:
     "CPU/CI preset: vocab 4K, d 128, 4 layers (the hybrid puts KDA at 3 and Gated MLA at 1), seq 256."
-    return Config(preset="tiny")
+    return Config(preset="tiny", model=ModelConfig(mixer="kda", global_mixer="mla"))
 
-# %% ../chapters/00_foundations.ipynb #481d639e
+# %% ../chapters/00_foundations.ipynb #128f8b4c
 def small() -> Config:
     "The reference GPU preset (one H200); the peer is HF KimiLinear at the same shape."
     model = ModelConfig(
-        vocab_size=32768, d_model=1024, n_layers=16, max_seq_len=4096,
+        vocab_size=32768, d_model=1024, n_layers=16, max_seq_len=4096, mixer="kda", global_mixer="mla",
         n_heads=8, head_dim=128, d_ff=2816, d_ff_dense=2816, global_every=4, attnres_block=4,
         kda=KDAConfig(n_heads=8, head_dim=128, gate_rank=128),
         mla=MLAConfig(n_heads=8, kv_lora=256, qk_nope=64, qk_rope=32, v_head=128),
@@ -168,7 +168,7 @@ def small() -> Config:
                         eval_every=100, eval_batches=4, log_every=5, ckpt_every=200, out_dir="runs/small")
     return Config(preset="small", model=model, data=data, train=train)
 
-# %% ../chapters/00_foundations.ipynb #5bfe2301
+# %% ../chapters/00_foundations.ipynb #d1cdb8d6
 PRESETS = {"tiny": tiny, "small": small}
 
 # The implementations each name refers to live in moe_book.model (MIXERS, FFNS, RESIDUALS).
@@ -195,7 +195,7 @@ def _parse(value: str, typ, key: str):
         return num
     return value
 
-# %% ../chapters/00_foundations.ipynb #0543bc3f
+# %% ../chapters/00_foundations.ipynb #80c2f1f9
 def _leaves(obj, prefix=""):
     "Yield (dotted_key, owner, field) for every leaf field of nested dataclasses."
     hints = typing.get_type_hints(type(obj))
@@ -206,7 +206,7 @@ def _leaves(obj, prefix=""):
         else:
             yield f"{prefix}{f.name}", obj, f.name, hints[f.name]
 
-# %% ../chapters/00_foundations.ipynb #ab5d514f
+# %% ../chapters/00_foundations.ipynb #e7ccc36a
 def apply_overrides(cfg: Config, overrides) -> Config:
     """Apply `key=value` strings. A key is a dotted path (`model.kda.g_min`) or any unambiguous suffix
     (`g_min`, `kda.g_min`, `lr`). Unknown or ambiguous keys and unparsable values raise ConfigError."""
@@ -228,12 +228,12 @@ def apply_overrides(cfg: Config, overrides) -> Config:
     validate(cfg)
     return cfg
 
-# %% ../chapters/00_foundations.ipynb #8c8e6147
+# %% ../chapters/00_foundations.ipynb #82b8a3df
 def _check(ok: bool, msg: str):
     if not ok:
         raise ConfigError(msg)
 
-# %% ../chapters/00_foundations.ipynb #2b267134
+# %% ../chapters/00_foundations.ipynb #1733e4c4
 def validate(cfg: Config) -> Config:
     "Reject values the model or trainer cannot run with, naming the key and the fix."
     m, t = cfg.model, cfg.train
@@ -278,14 +278,14 @@ def validate(cfg: Config) -> Config:
            f"data.heldout_percent={cfg.data.heldout_percent}: must be in (0, 50)")
     return cfg
 
-# %% ../chapters/00_foundations.ipynb #4e323bda
+# %% ../chapters/00_foundations.ipynb #a8d8fd6d
 def get_config(preset: str = "tiny", overrides=()) -> Config:
     "A preset with overrides applied and validated."
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}: choose one of {sorted(PRESETS)}")
     return apply_overrides(PRESETS[preset](), list(overrides))
 
-# %% ../chapters/00_foundations.ipynb #272f6b44
+# %% ../chapters/00_foundations.ipynb #249a5a5a
 def total_steps(cfg: Config) -> int:
     "Optimizer steps the budget buys: a token budget wins over a step count."
     t = cfg.train

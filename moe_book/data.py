@@ -6,7 +6,7 @@ __all__ = ['EOT', 'PAD', 'TOOL_TOKENS', 'SPECIAL_TOKENS', 'SKIP_DIRS', 'MAX_FILE
            'data_dir_for', 'prepare', 'unigram_entropy', 'read_manifest', 'verify', 'load_split', 'TokenBatches',
            'main']
 
-# %% ../chapters/00_foundations.ipynb #c1704ae8
+# %% ../chapters/00_foundations.ipynb #f9837353
 import hashlib
 import json
 import os
@@ -34,7 +34,7 @@ MAX_FILE_BYTES = 1_000_000  # generated tables and minified blobs are not the te
 class DataError(RuntimeError):
     """Missing, corrupt or mismatched data; the message names the file and the fix."""
 
-# %% ../chapters/00_foundations.ipynb #b90060ff
+# %% ../chapters/00_foundations.ipynb #f9f2b533
 def _sources():
     """(package, root) pairs: stdlib modules (the same on every machine with this Python), then installed
     packages from every site-packages folder on sys.path (a venv that links a system image's packages in sees
@@ -54,7 +54,7 @@ def _sources():
                 seen_names.add(name)
                 yield name, entry
 
-# %% ../chapters/00_foundations.ipynb #14036ea1
+# %% ../chapters/00_foundations.ipynb #ced171a8
 def _package_files(entry: Path):
     "The package's .py files (and docs) in path order, so a package reads as one long document."
     if entry.is_file():
@@ -66,7 +66,7 @@ def _package_files(entry: Path):
             if f.endswith((".py", ".md", ".rst", ".txt")):
                 yield Path(dirpath) / f
 
-# %% ../chapters/00_foundations.ipynb #59574f30
+# %% ../chapters/00_foundations.ipynb #abab5a7b
 def _read(path: Path):
     if path.stat().st_size > MAX_FILE_BYTES:
         return None
@@ -75,12 +75,12 @@ def _read(path: Path):
     except (UnicodeDecodeError, OSError):
         return None
 
-# %% ../chapters/00_foundations.ipynb #acee3f7c
+# %% ../chapters/00_foundations.ipynb #2d546e00
 def is_heldout(package: str, percent: float) -> bool:
     "Held-out split by package name (a stable hash), so no evaluation file shares a package with training."
     return zlib.crc32(package.encode()) % 1000 < percent * 10
 
-# %% ../chapters/00_foundations.ipynb #38c7c5e5
+# %% ../chapters/00_foundations.ipynb #95c0cb95
 def iter_documents(cfg: DataConfig):
     "Yield {text, package, path, split} for every document, stopping once max_corpus_mb of text is read."
     budget = int(cfg.max_corpus_mb * 1e6)
@@ -106,7 +106,7 @@ def iter_documents(cfg: DataConfig):
             if seen >= budget:
                 return
 
-# %% ../chapters/00_foundations.ipynb #4b2240c6
+# %% ../chapters/00_foundations.ipynb #0b7eb0ae
 def load_corpus(cfg: DataConfig):
     """The corpus as a 🤗 `datasets.Dataset` (columns text, package, path, split), for exploring it. `prepare`
     streams the same documents from `iter_documents`, so it also runs where `datasets` is not installed (the GPU
@@ -119,7 +119,7 @@ def load_corpus(cfg: DataConfig):
                         f"{sysconfig.get_paths()['stdlib']}; run with the project's venv python (make data)")
     return datasets.Dataset.from_list(docs)
 
-# %% ../chapters/00_foundations.ipynb #c6cc4d9b
+# %% ../chapters/00_foundations.ipynb #74f14406
 def train_tokenizer(texts, vocab_size: int):
     "Byte-level BPE (lossless on any UTF-8 text) with the document and tool special tokens."
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -131,7 +131,7 @@ def train_tokenizer(texts, vocab_size: int):
     tok.train_from_iterator(texts, trainer=trainer)
     return tok
 
-# %% ../chapters/00_foundations.ipynb #2ef65ab9
+# %% ../chapters/00_foundations.ipynb #d2464796
 def load_tokenizer(data_dir):
     "The tokenizer saved beside the shards, checked against the manifest's hash."
     from tokenizers import Tokenizer
@@ -145,7 +145,7 @@ def load_tokenizer(data_dir):
                         f"delete {data_dir} and run `python -m moe_book.data prepare` to rebuild both together")
     return Tokenizer.from_file(str(path))
 
-# %% ../chapters/00_foundations.ipynb #c69ae3d3
+# %% ../chapters/00_foundations.ipynb #44f6cd85
 def sha256_file(path, block=1 << 22) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -153,23 +153,23 @@ def sha256_file(path, block=1 << 22) -> str:
             h.update(chunk)
     return h.hexdigest()
 
-# %% ../chapters/00_foundations.ipynb #55cd6aa6
+# %% ../chapters/00_foundations.ipynb #6843a1fd
 def token_dtype(vocab_size: int):
     return np.uint16 if vocab_size <= 2**16 else np.uint32
 
-# %% ../chapters/00_foundations.ipynb #ff77d1ea
+# %% ../chapters/00_foundations.ipynb #6885207b
 def _write_tokens(path: Path, arr: np.ndarray) -> dict:
     tmp = path.with_suffix(".tmp")
     arr.tofile(tmp)
     os.replace(tmp, path)
     return {"file": path.name, "tokens": int(arr.size), "sha256": sha256_file(path)}
 
-# %% ../chapters/00_foundations.ipynb #6d18cfba
+# %% ../chapters/00_foundations.ipynb #c1added0
 def data_dir_for(cfg: Config) -> Path:
     "Where a config's data lives: one folder per corpus and vocabulary, so presets never mix shards."
     return Path(cfg.data.dir) / f"{cfg.data.name}-v{cfg.model.vocab_size}"
 
-# %% ../chapters/00_foundations.ipynb #80176f3a
+# %% ../chapters/00_foundations.ipynb #9caaf903
 def prepare(cfg: Config, force: bool = False, log=print) -> Path:
     """Build corpus -> tokenizer -> shards + manifest under data_dir_for(cfg). Idempotent: an intact existing
     build is kept. Writes the manifest last, so an interrupted build is never mistaken for a finished one."""
@@ -244,14 +244,14 @@ def prepare(cfg: Config, force: bool = False, log=print) -> Path:
     os.replace(tmp, out / "manifest.json")
     return out
 
-# %% ../chapters/00_foundations.ipynb #0d97f71f
+# %% ../chapters/00_foundations.ipynb #6794212a
 def unigram_entropy(tokens: np.ndarray, vocab_size: int) -> float:
     "Cross-entropy (nats/token) of predicting every token from corpus frequencies alone: the bar a model must beat."
     p = np.bincount(tokens, minlength=vocab_size).astype(np.float64)
     p = p[p > 0] / p.sum()
     return float(-(p * np.log(p)).sum())
 
-# %% ../chapters/00_foundations.ipynb #020234f1
+# %% ../chapters/00_foundations.ipynb #c85182f0
 def read_manifest(data_dir) -> dict:
     path = Path(data_dir) / "manifest.json"
     if not path.exists():
@@ -262,7 +262,7 @@ def read_manifest(data_dir) -> dict:
     except json.JSONDecodeError as e:
         raise DataError(f"{path} is not valid JSON ({e}); delete {Path(data_dir)} and run `python -m moe_book.data prepare`") from None
 
-# %% ../chapters/00_foundations.ipynb #f7d1dc74
+# %% ../chapters/00_foundations.ipynb #692877a2
 def verify(data_dir, check_hash: bool = True) -> dict:
     "Check every shard's presence, size and sha256 against the manifest; raise DataError naming the bad file."
     data_dir = Path(data_dir)
@@ -282,7 +282,7 @@ def verify(data_dir, check_hash: bool = True) -> dict:
         raise DataError(f"{data_dir / 'tokenizer.json'} does not match the manifest (sha256 differs); {fix}")
     return manifest
 
-# %% ../chapters/00_foundations.ipynb #9473c651
+# %% ../chapters/00_foundations.ipynb #ef4faf35
 def load_split(data_dir, split: str, vocab_size: int = None) -> np.ndarray:
     "All tokens of a split as one read-only memmap (or a concatenation of them), after verifying the shards."
     data_dir = Path(data_dir)
@@ -296,7 +296,7 @@ def load_split(data_dir, split: str, vocab_size: int = None) -> np.ndarray:
     arrays = [np.memmap(data_dir / s["file"], dtype=manifest["dtype"], mode="r") for s in files]
     return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
 
-# %% ../chapters/00_foundations.ipynb #552b5965
+# %% ../chapters/00_foundations.ipynb #1140e3fe
 class TokenBatches:
     """Random (seq_len + 1)-token windows. Batch `step` depends only on (seed, step), so the data position in a
     checkpoint is just the step number and a resumed run sees exactly the batches it would have seen."""
@@ -313,7 +313,7 @@ class TokenBatches:
         win = torch.from_numpy(win)
         return win[:, :-1], win[:, 1:]
 
-# %% ../chapters/00_foundations.ipynb #cf8794f4
+# %% ../chapters/00_foundations.ipynb #68288756
 def main(argv=None):
     import argparse
     from moe_book.config import get_config
@@ -330,7 +330,7 @@ def main(argv=None):
     else:
         print(json.dumps({k: v for k, v in verify(data_dir_for(cfg)).items() if k != "packages"}, indent=1))
 
-# %% ../chapters/00_foundations.ipynb #a908e6de
+# %% ../chapters/00_foundations.ipynb #d927dbf6
 if __name__ == "__main__" and "__file__" in globals():  # a script, not this cell in the notebook
     try:
         main()

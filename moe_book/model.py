@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['MIXERS', 'FFNS', 'RESIDUALS', 'resolve', 'PlainResidual', 'Block', 'CausalLM']
 
-# %% ../chapters/00_foundations.ipynb #d40b86ae
+# %% ../chapters/00_foundations.ipynb #85d7d670
 import importlib
 import math
 import torch
@@ -43,7 +43,7 @@ def resolve(table: dict, name: str, what: str):
         raise ConfigError(f"{what} {name!r} is built in chapter {chapter} ({path}), which is not in this checkout "
                           f"yet ({e}); pick another {what} or run `make export`") from None
 
-# %% ../chapters/00_foundations.ipynb #e6ff7db1
+# %% ../chapters/00_foundations.ipynb #c3fcd00f
 class PlainResidual(nn.Module):
     "The standard stream: x <- x + f(norm(x)) for every sublayer f. Chapter 04 replaces it with AttnRes."
     def __init__(self, cfg: ModelConfig):
@@ -61,7 +61,7 @@ class PlainResidual(nn.Module):
     def end(self, state):
         return state
 
-# %% ../chapters/00_foundations.ipynb #84d830a1
+# %% ../chapters/00_foundations.ipynb #31fe01de
 class Block(nn.Module):
     "One layer = a token mixer sublayer and a feed-forward sublayer, each with its own pre-norm."
     def __init__(self, cfg: ModelConfig, layer: int):
@@ -72,7 +72,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.ffn = resolve(FFNS, self.ffn_type, "ffn")(cfg, layer)
 
-# %% ../chapters/00_foundations.ipynb #a8e8ac62
+# %% ../chapters/00_foundations.ipynb #d42ed645
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()

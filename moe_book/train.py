@@ -4,7 +4,7 @@
 __all__ = ['pick_device', 'lr_lambda', 'make_optimizer', 'Checkpointer', 'train_state', 'restore_state', 'Monitor', 'evaluate',
            'train', 'plot_run', 'main']
 
-# %% ../chapters/00_foundations.ipynb #164be4d1
+# %% ../chapters/00_foundations.ipynb #9f79f7be
 import dataclasses
 import json
 import math
@@ -27,7 +27,7 @@ def pick_device(cfg: Config) -> torch.device:
         raise ConfigError("train.device=cuda but no CUDA device is visible; use train.device=cpu (or auto)")
     return torch.device("cuda" if want in ("auto", "cuda") and torch.cuda.is_available() else "cpu")
 
-# %% ../chapters/00_foundations.ipynb #2aa92a04
+# %% ../chapters/00_foundations.ipynb #a0d45fa6
 def lr_lambda(cfg: Config, steps: int):
     "Linear warmup to the peak, then cosine down to min_lr_ratio of it."
     t = cfg.train
@@ -38,7 +38,7 @@ def lr_lambda(cfg: Config, steps: int):
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return f
 
-# %% ../chapters/00_foundations.ipynb #ae194c2e
+# %% ../chapters/00_foundations.ipynb #811095de
 def make_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
     "AdamW; weight decay on matrices only (norm gains, biases and per-channel vectors are left alone)."
     params = [p for p in model.parameters() if p.requires_grad]
@@ -48,7 +48,7 @@ def make_optimizer(model: torch.nn.Module, cfg: Config, device: torch.device):
     return torch.optim.AdamW([{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
                              lr=t.lr, betas=(t.beta1, t.beta2), fused=device.type == "cuda")
 
-# %% ../chapters/00_foundations.ipynb #203284b9
+# %% ../chapters/00_foundations.ipynb #513cee38
 class Checkpointer:
     """Checkpoints under <out_dir>/ckpt/step_XXXXXXXX, written with torch.distributed.checkpoint (one process or
     many). Each is written to a `.tmp` folder and renamed into place only when complete, then LATEST is replaced
@@ -97,7 +97,7 @@ class Checkpointer:
         dcp.load(state, checkpoint_id=str(path), no_dist=True)
         return path
 
-# %% ../chapters/00_foundations.ipynb #699f12b4
+# %% ../chapters/00_foundations.ipynb #e091a92e
 def train_state(model, opt, sched, step: int, cfg: Config) -> dict:
     "Everything a resumed run needs: weights, optimizer moments, schedule, data position (the step), RNG states."
     from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -108,7 +108,7 @@ def train_state(model, opt, sched, step: int, cfg: Config) -> dict:
     return {"model": model_sd, "optim": optim_sd, "sched": sched.state_dict(), "step": step, "rng": rng,
             "config": json.dumps(dataclasses.asdict(cfg))}
 
-# %% ../chapters/00_foundations.ipynb #c3a8d80a
+# %% ../chapters/00_foundations.ipynb #c7d38582
 def restore_state(state: dict, model, opt, sched):
     from torch.distributed.checkpoint.state_dict import set_state_dict
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
@@ -118,7 +118,7 @@ def restore_state(state: dict, model, opt, sched):
         torch.cuda.set_rng_state(state["rng"]["cuda"])
     return state["step"]
 
-# %% ../chapters/00_foundations.ipynb #2ae3c043
+# %% ../chapters/00_foundations.ipynb #4e10ca82
 class Monitor:
     "Rich live panel on a terminal, plain lines elsewhere (notebooks, CI logs), and metrics.jsonl always."
     def __init__(self, cfg: Config, out_dir: Path, steps: int, start: int, verbose: bool):
@@ -176,7 +176,7 @@ class Monitor:
             self.live.stop()
         self.file.close()
 
-# %% ../chapters/00_foundations.ipynb #28bc9157
+# %% ../chapters/00_foundations.ipynb #da871d78
 @torch.no_grad()
 def evaluate(model, batches: TokenBatches, n: int, device, autocast) -> float:
     "Mean loss over n fixed held-out batches (the same ones at every evaluation)."
@@ -190,7 +190,7 @@ def evaluate(model, batches: TokenBatches, n: int, device, autocast) -> float:
     model.train()
     return torch.stack(losses).mean().item()
 
-# %% ../chapters/00_foundations.ipynb #33784d8a
+# %% ../chapters/00_foundations.ipynb #24b8b61c
 def train(cfg: Config, resume: bool = False, verbose: bool = True, stop_after: int = None) -> dict:
     """Train `cfg` to its budget and return the run summary (also written to <out_dir>/summary.json).
     With resume=True, continue from the newest complete checkpoint in <out_dir>/ckpt, if any.
@@ -284,7 +284,7 @@ def train(cfg: Config, resume: bool = False, verbose: bool = True, stop_after: i
     (out_dir / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
-# %% ../chapters/00_foundations.ipynb #891e1f1c
+# %% ../chapters/00_foundations.ipynb #db8a9cea
 def plot_run(run_dir, path=None, title=None):
     "Train and held-out loss curves of a run from its metrics.jsonl; saved to `path` when given."
     import matplotlib
@@ -307,7 +307,7 @@ def plot_run(run_dir, path=None, title=None):
         plt.close(fig)
     return fig
 
-# %% ../chapters/00_foundations.ipynb #624a030e
+# %% ../chapters/00_foundations.ipynb #51c73a38
 def main(argv=None):
     import argparse
     p = argparse.ArgumentParser(prog="python -m moe_book.train", description=__doc__)
@@ -331,7 +331,7 @@ def main(argv=None):
     print(f"train: done. train loss {s['train_loss']:.4f}, held-out loss {s['heldout_loss']:.4f} "
           f"(unigram baseline {s['unigram_entropy_nats']:.4f}), {s['tokens_per_s']:,.0f} tokens/s")
 
-# %% ../chapters/00_foundations.ipynb #1c0cb5cc
+# %% ../chapters/00_foundations.ipynb #d7d4f21b
 if __name__ == "__main__" and "__file__" in globals():  # a script, not this cell in the notebook
     try:
         main()

@@ -107,7 +107,7 @@ def test_cli_reports_bad_config_without_traceback():
 
 
 # ---------------------------------------------------------------------------------------------------- resume
-FAST = ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.head_dim=16", "model.d_ff=64",
+FAST = ["model.mixer=attn", "model.global_mixer=attn", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.head_dim=16", "model.d_ff=64",
         "train.seq_len=32", "train.batch_size=4", "train.steps=12", "train.ckpt_every=4", "train.log_every=4",
         "train.eval_every=6", "train.eval_batches=2", "train.warmup_steps=3", "train.live=off", "train.keep_ckpts=5"]
 

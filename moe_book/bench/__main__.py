@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['available', 'main']
 
-# %% ../../chapters/00_foundations.ipynb #c6d16721
+# %% ../../chapters/00_foundations.ipynb #cf293aa8
 import importlib
 import pkgutil
 import sys
@@ -12,7 +12,7 @@ import moe_book.bench
 def available():
     return sorted(m.name for m in pkgutil.iter_modules(moe_book.bench.__path__) if not m.name.startswith("_"))
 
-# %% ../../chapters/00_foundations.ipynb #8920ad8a
+# %% ../../chapters/00_foundations.ipynb #ef0fefdd
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     names = available()
@@ -21,6 +21,6 @@ def main(argv=None):
                  f"(got {argv[0] if argv else 'nothing'!r})")
     importlib.import_module(f"moe_book.bench.{argv[0]}").main(argv[1:])
 
-# %% ../../chapters/00_foundations.ipynb #62ef5a2c
+# %% ../../chapters/00_foundations.ipynb #90af5df8
 if __name__ == "__main__" and "__file__" in globals():  # a script, not this cell in the notebook
     main()

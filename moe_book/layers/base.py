@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['RMSNorm', 'rope_tables', 'apply_rope', 'CausalSelfAttention', 'SwiGLU']
 
-# %% ../../chapters/00_foundations.ipynb #9858027a
+# %% ../../chapters/00_foundations.ipynb #bbf1d48f
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -16,10 +16,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        xf = x.float()
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))   # bf16 -> fp32, but fp64 stays fp64 in checks
         return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
 
-# %% ../../chapters/00_foundations.ipynb #f0d2ed4b
+# %% ../../chapters/00_foundations.ipynb #197fd40c
 def rope_tables(seq_len: int, dim: int, theta: float = 10000.0, device=None, offset: int = 0):
     "cos/sin tables (seq_len, dim/2) for rotary embeddings, in fp32, starting at position `offset`."
     inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
@@ -27,14 +27,14 @@ def rope_tables(seq_len: int, dim: int, theta: float = 10000.0, device=None, off
     angles = torch.outer(pos, inv_freq)
     return angles.cos(), angles.sin()
 
-# %% ../../chapters/00_foundations.ipynb #be4ce511
+# %% ../../chapters/00_foundations.ipynb #535e46a9
 def apply_rope(x, cos, sin):
     "Rotate pairs (x[..., :d/2], x[..., d/2:]) of x (B, H, T, d) by the position angles."
-    x1, x2 = x.float().chunk(2, dim=-1)
+    x1, x2 = x.to(torch.promote_types(x.dtype, torch.float32)).chunk(2, dim=-1)
     cos, sin = cos[None, None], sin[None, None]
     return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1).type_as(x)
 
-# %% ../../chapters/00_foundations.ipynb #cc52c0c3
+# %% ../../chapters/00_foundations.ipynb #6ccb3160
 class CausalSelfAttention(nn.Module):
     "Multi-head softmax attention with RoPE through PyTorch SDPA (flash attention on GPU): the skeleton's mixer."
     def __init__(self, cfg, layer: int):
@@ -53,7 +53,7 @@ class CausalSelfAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
-# %% ../../chapters/00_foundations.ipynb #ac7cce0f
+# %% ../../chapters/00_foundations.ipynb #7b78322c
 class SwiGLU(nn.Module):
     "Dense gated MLP: W_down(silu(W_gate x) * W_up x). Layers below `first_dense` use the d_ff_dense width."
     def __init__(self, cfg, layer: int, d_ff: int = None):
