@@ -19,10 +19,10 @@ from pathlib import Path
 
 import torch
 
-from ..config import get_config
-from ..generate import cache_nbytes, new_caches
-from ..layers.mla import MLACache
-from ..model import CausalLM
+from moe_book.config import get_config
+from moe_book.generate import cache_nbytes, new_caches
+from moe_book.layers.mla import MLACache
+from moe_book.model import CausalLM
 
 STACKS = {"hybrid": ["model.mixer=kda", "model.global_mixer=mla"],
           "all_mla": ["model.mixer=mla", "model.global_mixer=mla"]}

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from ..config import ConfigError, ModelConfig
-from .base import RMSNorm, apply_rope, rope_tables
+from moe_book.config import ConfigError, ModelConfig
+from moe_book.layers.base import RMSNorm, apply_rope, rope_tables
 
 
 @dataclass(eq=False)
