@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['BALANCER_RUNS', 'run_balancers', 'plot_maxvio', 'main']
 
-# %% ../../chapters/05_moe.ipynb #058ae2b1
+# %% ../../chapters/05_moe.ipynb #1cd6e32d
 """`python -m moe_book.bench balance`: none vs aux_loss vs sign_bias vs quantile on the small preset (model.ffn=moe)
 at an equal token budget; writes results/balance_small.json and results/balance_small.png."""
 import argparse
@@ -28,7 +28,7 @@ def run_balancers(preset: str, tokens: int, balancers=BALANCER_RUNS, extra=(), o
     for i, bal in enumerate(balancers):
         cfg = get_config(preset, ["model.ffn=moe", f"model.moe.balancer={bal}", f"train.tokens={tokens}",
                                   "train.steps=0", "train.log_every=1", "train.eval_every=1000000000",
-                                  "train.ckpt_every=1000000000", "train.live=off",
+                                  "train.ckpt_every=1000000000", "train.live=off", "train.warmup_steps=20",
                                   f"train.out_dir={out_root}/{preset}_{bal}", *extra])
         t0 = time.time()
         print(f"balance: [{i + 1}/{len(balancers)}] {bal}: {total_steps(cfg)} steps x "
@@ -60,7 +60,7 @@ def plot_maxvio(runs: dict, path: Path, title: str):
 def main(argv=None):
     p = argparse.ArgumentParser(prog="python -m moe_book.bench balance", description=__doc__)
     p.add_argument("--preset", default=None, help="config preset (default: small on CUDA, tiny on CPU)")
-    p.add_argument("--tokens", type=int, default=None, help="training tokens per balancer (default 4,194,304 on small)")
+    p.add_argument("--tokens", type=int, default=None, help="training tokens per balancer (default 3,145,728 = 96 steps on small)")
     p.add_argument("--balancers", default=",".join(BALANCER_RUNS), help="comma-separated balancer names")
     p.add_argument("--out", default=None, help="JSON path (default results/balance_<preset>.json)")
     p.add_argument("--runs-dir", default="runs/balance", help="where the four training runs write (checkpoints are deleted)")
@@ -68,7 +68,7 @@ def main(argv=None):
     p.add_argument("overrides", nargs="*", help="extra key=value config overrides for every run")
     a = p.parse_args(argv)
     preset = a.preset or ("small" if torch.cuda.is_available() else "tiny")
-    tokens = a.tokens or (4_194_304 if preset == "small" else 65_536)
+    tokens = a.tokens or (3_145_728 if preset == "small" else 65_536)
     out = Path(a.out or f"results/balance_{preset}.json")
     runs = run_balancers(preset, tokens, a.balancers.split(","), a.overrides, out_root=a.runs_dir, verbose=not a.quiet)
     summary = {b: {"heldout_loss": r["heldout_loss"], "train_loss": r["train_loss"], "tokens": r["tokens"],
@@ -90,5 +90,5 @@ def main(argv=None):
     return result
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "__file__" in globals():  # a script, not this cell in the notebook
     main()

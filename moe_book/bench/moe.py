@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['SHAPES', 'TOY', 'time_ms', 'expert_gemm_flops', 'layer_flops', 'hf_experts', 'main']
 
-# %% ../../chapters/05_moe.ipynb #1fffce43
+# %% ../../chapters/05_moe.ipynb #564e9325
 """`python -m moe_book.bench moe`: the latent-MoE layer fwd+bwd vs a bare grouped_mm of its expert GEMMs and vs HF
 transformers' grouped_mm experts path, at the small config's shapes; writes results/bench_moe.json."""
 import argparse
@@ -126,6 +126,11 @@ def main(argv=None):
     r_layer = record(f"LatentMoE layer ({a.act})", time_ms(layer_step, [x, *layer.parameters()], device),
                      3 * layer_flops(T, d, L, E, k, h, ns))
 
+    # the router alone (fp32 GEMM, sigmoid, top-k) fwd+bwd: the part of the layer that is not bf16
+    def router_step():
+        layer.router(x)[2].sum().backward()
+    record("router (fp32) alone", time_ms(router_step, [x, layer.router.proj.weight], device), 3 * 2 * T * d * E)
+
     # (2) bare grouped_mm of the same expert GEMMs on rows already sorted by expert, same per-expert counts
     with torch.no_grad():
         _, idx, wts = layer.router(x)
@@ -204,5 +209,5 @@ def main(argv=None):
     return result
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and "__file__" in globals():  # a script, not this cell in the notebook
     main()

@@ -4,10 +4,11 @@
 __all__ = ['SITU_BETA_GATE', 'SITU_BETA_UP', 'ACTIVATIONS', 'BALANCERS', 'situ_glu', 'swiglu', 'expert_activation',
            'expert_counts', 'Router', 'grouped_mm_works', 'grouped_linear', 'GroupedExperts', 'experts_reference',
            'Balancer', 'AuxLossBalancer', 'SignBiasBalancer', 'ProportionalBalancer', 'QuantileStepBalancer',
-           'quantile_sweep', 'quantile_bias', 'QuantileBalancer', 'make_balancer', 'load_stats', 'check_moe_config',
-           'SharedExpert', 'LatentMoE', 'worst_maxvio', 'moe_panel', 'MaxVioAlert', 'maxvio_summary']
+           'quantile_sweep', 'quantile_bias', 'QuantileBalancer', 'QuantileLaggedBalancer', 'make_balancer',
+           'load_stats', 'check_moe_config', 'SharedExpert', 'LatentMoE', 'worst_maxvio', 'moe_panel', 'MaxVioAlert',
+           'maxvio_summary']
 
-# %% ../../chapters/05_moe.ipynb #01d90090
+# %% ../../chapters/05_moe.ipynb #98513b41
 """Stable Latent MoE (chapter 05): a sigmoid top-k router with a gradient-free selection bias, SiTU-GLU or SwiGLU
 experts run as grouped GEMMs over tokens sorted by expert, a shared latent down/up projection around the routed
 experts, shared experts, and load balancers behind one interface (none, aux_loss, sign_bias, quantile,
@@ -20,7 +21,7 @@ import torch.nn.functional as F
 
 from moe_book.config import ConfigError, ModelConfig, MoEConfig
 
-# %% ../../chapters/05_moe.ipynb #d659cb64
+# %% ../../chapters/05_moe.ipynb #fd8c406d
 SITU_BETA_GATE = 4.0   # β1: soft cap of the gate branch
 SITU_BETA_UP = 25.0    # β2: soft cap of the up branch
 
@@ -56,7 +57,7 @@ def expert_activation(name: str, gate, up):
             _FUSED_ACTS[name] = False
     return fn(gate, up)
 
-# %% ../../chapters/05_moe.ipynb #f74a8529
+# %% ../../chapters/05_moe.ipynb #befc70e6
 def expert_counts(expert_idx, n_experts: int):
     "Token-slots per expert (int64, length n_experts) for an index tensor of any shape. No host sync (unlike bincount on CUDA)."
     flat = expert_idx.reshape(-1)
@@ -72,16 +73,25 @@ class Router(nn.Module):
         # The selection bias: persistent (checkpointed), never a Parameter, never in the autograd graph.
         self.register_buffer("bias", torch.zeros(n_experts))
 
-    def forward(self, x):
-        "x (N, d) -> scores (N, n) fp32, expert_idx (N, k) int64, weights (N, k) fp32."
+    def score(self, x):
+        "x (N, d) -> sigmoid scores (N, n), fp32."
         with torch.autocast(x.device.type, enabled=False):
-            scores = torch.sigmoid(F.linear(x.float(), self.proj.weight.float()))
-        expert_idx = torch.topk(scores.detach() + self.bias, self.top_k, dim=-1).indices
+            return torch.sigmoid(F.linear(x.float(), self.proj.weight.float()))
+
+    def select(self, scores, bias=None):
+        "Top-k of scores + bias (default: the stored bias) -> expert_idx (N, k) int64, weights (N, k) fp32."
+        bias = self.bias if bias is None else bias
+        expert_idx = torch.topk(scores.detach() + bias, self.top_k, dim=-1).indices
         picked = scores.gather(1, expert_idx)
         weights = picked / picked.sum(-1, keepdim=True).clamp_min(1e-20) * self.route_scale
-        return scores, expert_idx, weights
+        return expert_idx, weights
 
-# %% ../../chapters/05_moe.ipynb #0d3b0ed6
+    def forward(self, x, bias=None):
+        "x (N, d) -> scores (N, n) fp32, expert_idx (N, k) int64, weights (N, k) fp32."
+        scores = self.score(x)
+        return (scores, *self.select(scores, bias))
+
+# %% ../../chapters/05_moe.ipynb #b7ad7b22
 def _grouped_mm_op():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -154,6 +164,23 @@ def _compute_dtype(x):
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
+class _Dispatch(torch.autograd.Function):
+    """rows = x[order // k]: each token's row once per slot, in expert order. The backward puts the row gradients
+    back in (token, slot) order with one scatter of unique rows and sums the k slots — deterministic, no atomics
+    (plain indexing would backpropagate through an accumulating index_put)."""
+    @staticmethod
+    def forward(ctx, x, order, k):
+        ctx.save_for_backward(order)
+        ctx.k = k
+        return x.index_select(0, order // k)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        per_slot = grad.new_empty(grad.shape).index_copy_(0, order, grad)
+        return per_slot.view(-1, ctx.k, grad.shape[-1]).sum(1), None, None
+
+
 class GroupedExperts(nn.Module):
     """n gated-MLP experts stored as stacked weights: gate_up (n, 2h, d_in) and down (n, d_out, h).
     forward(x, expert_idx, weights) = Σ_j weights[t,j] · expert_{idx[t,j]}(x_t), dropless, via grouped GEMMs."""
@@ -177,15 +204,15 @@ class GroupedExperts(nn.Module):
         N, k = expert_idx.shape
         dt = _compute_dtype(x)
         flat = expert_idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)                  # (N·k,) pair positions grouped by expert
-        counts = expert_counts(flat, self.n_experts)
-        offs = torch.cumsum(counts, 0).to(torch.int32)
-        xs = x.to(dt)[order // k]                                 # row of the token each sorted pair belongs to
-        h = grouped_linear(xs, self.gate_up.to(dt), offs, counts if backend == "loop" else None, backend)
+        sorted_ids, order = torch.sort(flat, stable=True)          # (N·k,) pair positions grouped by expert
+        # expert e's rows are bounds[e]:bounds[e+1]; searchsorted on the sorted ids needs no atomics and no host sync
+        bounds = torch.searchsorted(sorted_ids, torch.arange(self.n_experts + 1, device=flat.device))
+        counts, offs = bounds.diff(), bounds[1:].to(torch.int32)
+        xs = _Dispatch.apply(x.to(dt), order, k)                  # row of the token each sorted pair belongs to
+        h = grouped_linear(xs, self.gate_up.to(dt), offs, counts, backend)
         a = expert_activation(self.act, *h.chunk(2, dim=-1))
-        y = grouped_linear(a, self.down.to(dt), offs, counts if backend == "loop" else None, backend)
-        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        y = y[inverse].view(N, k, -1)                             # back to (token, slot) order
+        y = grouped_linear(a, self.down.to(dt), offs, counts, backend)
+        y = y.new_empty(y.shape).index_copy(0, order, y).view(N, k, -1)   # back to (token, slot) order
         return torch.bmm(weights.to(y.dtype).unsqueeze(1), y).squeeze(1)
 
 
@@ -201,7 +228,7 @@ def experts_reference(x, expert_idx, weights, gate_up, down, act: str = "situ"):
         out.append(acc)
     return torch.stack(out)
 
-# %% ../../chapters/05_moe.ipynb #2b5d57ef
+# %% ../../chapters/05_moe.ipynb #da2bc157
 class Balancer(nn.Module):
     "Keeps a MoE layer's experts evenly loaded. Buffers only (checkpointed with the model); no parameters."
     name = "none"
@@ -216,8 +243,12 @@ class Balancer(nn.Module):
         adds up every submodule's `aux_loss` attribute.)"""
         return None
 
+    def route_bias(self, scores, bias):
+        "The bias to select this training batch's experts with (default: the stored one). Called without gradient."
+        return bias
+
     def observe(self, scores, expert_idx, bias):
-        "Called in each training forward, without gradient."
+        "Called in each training forward after routing, without gradient."
 
     def update(self, bias, load):
         "Called once per optimizer step with the step's token-slots per expert; edits `bias` in place."
@@ -278,10 +309,11 @@ def quantile_sweep(scores, bias, top_k: int):
     top = torch.topk(biased, top_k + 1, dim=-1)
     kth, next_ = top.values[:, top_k - 1:top_k], top.values[:, top_k:top_k + 1]
     picked = torch.zeros_like(biased, dtype=torch.bool).scatter_(1, top.indices[:, :top_k], True)
-    margin = scores - torch.where(picked, next_, kth)   # j gets t iff bias_j > -margin[t, j]
-    share = min(max(round(N * top_k / n), 1), N - 1)    # tokens each expert should get
-    m = margin.T.sort(dim=-1).values                    # (n, N) ascending
-    target = -(m[:, N - share - 1] + m[:, N - share]) / 2   # halfway between the last one out and the first one in
+    margin = (scores - torch.where(picked, next_, kth)).T.contiguous()   # (n, N): j gets t iff bias_j > -margin
+    share = min(max(round(N * top_k / n), 1), N - 1)                   # tokens each expert should get
+    last_out = torch.kthvalue(margin, N - share, dim=-1).values         # the (N-share)-th smallest margin
+    first_in = torch.kthvalue(margin, N - share + 1, dim=-1).values
+    target = -(last_out + first_in) / 2       # halfway, so ties straddling the boundary resolve the same way
     return target - target.mean()
 
 
@@ -295,12 +327,13 @@ def quantile_bias(scores, bias, top_k: int, sweeps: int = 1):
 
 
 class QuantileBalancer(Balancer):
-    """Quantile Balancing: each step, solve for the bias that gives every expert its k/n share of the step's tokens
-    (`quantile_bias`, `sweeps` solves on at most `max_tokens` evenly spaced tokens), and set the bias to the mean of
-    the last `balance_window` solutions."""
+    """Quantile Balancing: in each training forward, solve (`sweeps` sweeps of `quantile_bias`, warm-started from the
+    previous step's solution) for the bias that gives every expert exactly its k/n share of *this* batch, and route
+    the batch with it. The stored bias, which evaluation and inference route with, is the mean of the last
+    `balance_window` steps' solutions."""
     name = "quantile"
     sweeps = 8
-    max_tokens = 8192
+    in_forward = True
 
     def __init__(self, cfg: MoEConfig):
         super().__init__(cfg)
@@ -310,10 +343,22 @@ class QuantileBalancer(Balancer):
         self.register_buffer("step_sum", torch.zeros(cfg.n_experts), persistent=False)
         self._n_obs = 0
 
-    def observe(self, scores, expert_idx, bias):
-        stride = -(-scores.shape[0] // self.max_tokens)     # ceil: subsample evenly to bound the cost
-        self.step_sum += quantile_bias(scores[::stride], bias, self.top_k, self.sweeps)
+    def solve(self, scores, bias):
+        b = quantile_bias(scores, bias, self.top_k, self.sweeps)
+        self.step_sum += b
         self._n_obs += 1
+        return b
+
+    def route_bias(self, scores, bias):
+        if not self.in_forward:
+            return bias
+        if int(self.filled) > 0:     # warm-start from the newest solution: closer to this batch than the window mean
+            bias = self.window[(int(self.pos) - 1) % self.window.shape[0]]
+        return self.solve(scores, bias)
+
+    def observe(self, scores, expert_idx, bias):
+        if not self.in_forward:
+            self.solve(scores, bias)
 
     def update(self, bias, load):
         if self._n_obs == 0:
@@ -327,8 +372,16 @@ class QuantileBalancer(Balancer):
         self._n_obs = 0
 
 
+class QuantileLaggedBalancer(QuantileBalancer):
+    """The same solve, made after routing: step t's solutions only take effect (through the window mean) from step
+    t+1, like the step rules. Shows what the lag costs while the router is moving."""
+    name = "quantile_lagged"
+    sweeps = 8
+    in_forward = False
+
+
 BALANCERS = {b.name: b for b in (Balancer, AuxLossBalancer, SignBiasBalancer, QuantileBalancer,
-                                 QuantileStepBalancer, ProportionalBalancer)}
+                                 QuantileLaggedBalancer, QuantileStepBalancer, ProportionalBalancer)}
 
 
 def make_balancer(cfg: MoEConfig) -> Balancer:
@@ -337,7 +390,7 @@ def make_balancer(cfg: MoEConfig) -> Balancer:
         raise ConfigError(f"model.moe.balancer={cfg.balancer!r}: choose one of {sorted(BALANCERS)}")
     return BALANCERS[cfg.balancer](cfg)
 
-# %% ../../chapters/05_moe.ipynb #1bf698e1
+# %% ../../chapters/05_moe.ipynb #48e1027b
 def load_stats(load) -> dict:
     """For one step's token-slots per expert: MaxVio = (max − mean)/mean, dead = experts with no tokens, entropy of
     the load distribution divided by log(n) (1 = perfectly even)."""
@@ -350,7 +403,7 @@ def load_stats(load) -> dict:
     ent = -(nz * nz.log()).sum().item() / math.log(load.numel()) if load.numel() > 1 else 1.0
     return {"maxvio": (load.max().item() - mean) / mean, "dead": int((load == 0).sum()), "entropy": ent}
 
-# %% ../../chapters/05_moe.ipynb #83310e36
+# %% ../../chapters/05_moe.ipynb #f6f55d98
 def check_moe_config(cfg: ModelConfig):
     "The MoE layer's own checks (also in config.validate, repeated here for configs built by hand)."
     m = cfg.moe
@@ -405,6 +458,9 @@ class LatentMoE(nn.Module):
         self.balancer = make_balancer(m)
         self.register_buffer("step_load", torch.zeros(m.n_experts, dtype=torch.long), persistent=False)
         self.register_buffer("last_load", torch.zeros(m.n_experts, dtype=torch.long), persistent=False)
+        # per-expert mean and token-std of the router scores, summed over the step's forwards (for monitoring)
+        self.register_buffer("score_stats", torch.zeros(2, m.n_experts), persistent=False)
+        self._last_score_spread = (None, None)
         self._forwards = 0        # training forwards since the last post_step
         self._have_metrics = False
         self.aux_loss = None
@@ -412,7 +468,11 @@ class LatentMoE(nn.Module):
     def forward(self, x, backend: str = "auto"):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
-        scores, expert_idx, weights = self.router(x)
+        scores = self.router.score(x)
+        bias = self.router.bias
+        if self.training and torch.is_grad_enabled():
+            bias = self.balancer.route_bias(scores.detach(), bias)   # in-forward balancers solve this batch's bias
+        expert_idx, weights = self.router.select(scores, bias)
         h = self.latent_down(x) if self.latent_down is not None else x
         y = self.experts(h, expert_idx, weights, backend=backend)
         y = self.latent_up(y) if self.latent_up is not None else y
@@ -421,7 +481,9 @@ class LatentMoE(nn.Module):
         if self.training and torch.is_grad_enabled():
             with torch.no_grad():
                 self.step_load += expert_counts(expert_idx, self.n_experts)
-                self.balancer.observe(scores.detach(), expert_idx, self.router.bias)
+                self.score_stats[0] += scores.mean(0)
+                self.score_stats[1] += scores.std(0) if scores.shape[0] > 1 else 0
+                self.balancer.observe(scores.detach(), expert_idx, bias)
             self._forwards += 1
             self.aux_loss = self.balancer.loss(scores, expert_idx)
         else:
@@ -436,20 +498,27 @@ class LatentMoE(nn.Module):
         self.balancer.update(self.router.bias, self.step_load.clone())
         self.last_load.copy_(self.step_load)
         self.step_load.zero_()
+        mean, std = self.score_stats / self._forwards
+        self._last_score_spread = (mean.std(), std.mean())    # tensors: read (synced) only when metrics are asked for
+        self.score_stats.zero_()
         self._forwards, self._have_metrics = 0, True
 
     def step_metrics(self) -> dict:
-        "MaxVio, dead experts, load entropy and the load vector of the last completed step, keyed by layer."
+        """The last completed step's MaxVio, dead experts, load entropy, load vector, the spread of the stored bias, and
+    the router's score statistics: std over experts of their mean score (offsets) and mean over experts of the
+    token-to-token std of their score."""
         if not self._have_metrics:
             return {}
         load = self.last_load.tolist()
         stats = load_stats(load)
         bias = self.router.bias
         p = f"moe/L{self.layer}/"
+        offset_std, token_std = self._last_score_spread
         return {p + "maxvio": stats["maxvio"], p + "dead": stats["dead"], p + "entropy": stats["entropy"],
-                p + "load": load, p + "bias_spread": (bias.max() - bias.min()).item()}
+                p + "load": load, p + "bias_spread": (bias.max() - bias.min()).item(),
+                p + "score_offset_std": offset_std.item(), p + "score_token_std": token_std.item()}
 
-# %% ../../chapters/05_moe.ipynb #266ee49d
+# %% ../../chapters/05_moe.ipynb #8490e34a
 def worst_maxvio(metrics: dict):
     "The highest per-layer MaxVio in a step_metrics dict and its layer: (value, layer), or (None, None) if no MoE."
     best = (None, None)
