@@ -41,7 +41,8 @@ def inputs(n_sub, B=2, T=5, d=16, dtype=torch.float64, seed=0, requires_grad=Fal
     return e, outs
 
 
-def test_zero_queries_give_uniform_mean():
+@pytest.mark.parametrize("two_phase", [False, True])
+def test_zero_queries_give_uniform_mean(two_phase):
     cfg = model_cfg()
     e, outs = inputs(8)
     full = AttnRes(cfg).double()
@@ -51,7 +52,7 @@ def test_zero_queries_give_uniform_mean():
     for k, h in enumerate(reads + [end]):
         torch.testing.assert_close(h, torch.stack([e] + outs[:k]).mean(0), rtol=0, atol=1e-13)
     for S in (1, 2, 3, 4, 8):
-        blk = BlockAttnRes(cfg, block_sublayers=S).double()
+        blk = BlockAttnRes(cfg, block_sublayers=S, two_phase=two_phase).double()
         reads, end, _ = drive(blk, e, outs)
         for k, h in enumerate(reads + [end]):
             done = [e] + [sum(outs[j:j + S]) for j in range(0, S * (k // S), S)]
@@ -60,12 +61,13 @@ def test_zero_queries_give_uniform_mean():
             torch.testing.assert_close(h, want, rtol=0, atol=1e-13)
 
 
+@pytest.mark.parametrize("two_phase", [False, True])
 @pytest.mark.parametrize("n_layers", [1, 3, 4])
-def test_block_size_one_sublayer_is_full_attnres(n_layers):
+def test_block_size_one_sublayer_is_full_attnres(n_layers, two_phase):
     cfg = model_cfg(n_layers=n_layers)
     e, outs = inputs(2 * n_layers, seed=n_layers)
     full = randomize(AttnRes(cfg).double(), seed=1)
-    blk = BlockAttnRes(cfg, block_sublayers=1).double()
+    blk = BlockAttnRes(cfg, block_sublayers=1, two_phase=two_phase).double()
     blk.load_state_dict(full.state_dict())
     rf, ef, mf = drive(full, e, outs)
     rb, eb, mb = drive(blk, e, outs)
@@ -88,12 +90,13 @@ def test_block_size_one_in_the_model_matches_full_attnres():
     assert ((a - b).norm() / a.norm()).item() < 1e-5
 
 
-def test_one_block_over_whole_depth_is_plain_up_to_half():
+@pytest.mark.parametrize("two_phase", [False, True])
+def test_one_block_over_whole_depth_is_plain_up_to_half(two_phase):
     "Documented normalisation: with zero queries read k = x_k / 2 (k >= 1), read 0 = e, end = x_2L / 2."
     cfg = model_cfg(n_layers=3)
     e, outs = inputs(6)
     for S in (6, 7, 100):                  # any block at least as long as the depth
-        one = BlockAttnRes(cfg, block_sublayers=S).double()
+        one = BlockAttnRes(cfg, block_sublayers=S, two_phase=two_phase).double()
         r1, e1, most = drive(one, e, outs)
         rp, ep, _ = drive(PlainResidual(cfg), e, outs)
         torch.testing.assert_close(r1[0], rp[0], rtol=0, atol=0)
@@ -122,10 +125,12 @@ def test_one_block_model_equals_plain_model_with_eps_zero():
     assert ((lp - lo).norm() / lp.norm()).item() < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["block2", "block3", "full"])
+@pytest.mark.parametrize("kind", ["block2", "block3", "block2_two_phase", "block3_two_phase", "full"])
 def test_gradcheck_reads_and_output(kind):
     cfg = model_cfg(n_layers=2, d=6)
     res = {"block2": lambda: BlockAttnRes(cfg, block_sublayers=2), "block3": lambda: BlockAttnRes(cfg, block_sublayers=3),
+           "block2_two_phase": lambda: BlockAttnRes(cfg, block_sublayers=2, two_phase=True),
+           "block3_two_phase": lambda: BlockAttnRes(cfg, block_sublayers=3, two_phase=True),
            "full": lambda: AttnRes(cfg)}[kind]().double()
     randomize(res, seed=3)
     e, outs = inputs(4, B=1, T=3, d=6, requires_grad=True)
@@ -290,3 +295,78 @@ def test_block_attnres_under_bf16_autocast_keeps_fp32_stream():
     loss.backward()
     assert set(seen) == {torch.float32} and torch.isfinite(loss)
     assert all(q.grad is not None and q.grad.dtype == torch.float32 for q in res.queries)
+
+
+def test_fusable_mix_equals_eager_mix():
+    "block_mix_fusable (what torch.compile fuses on the GPU) is the same math as the eager block_mix."
+    from moe_book.layers.attnres import block_mix, block_mix_fusable
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 3):
+        for partial in (None, torch.randn(2, 5, 8, generator=g, dtype=torch.float64)):
+            s = torch.randn(2, 5, n, generator=g, dtype=torch.float64)
+            blocks = torch.randn(2, 5, n, 8, generator=g, dtype=torch.float64)
+            w = torch.randn(8, generator=g, dtype=torch.float64)
+            for a, b in zip(block_mix(s, blocks, partial, w, 1e-6), block_mix_fusable(s, blocks, partial, w, 1e-6)):
+                torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("two_phase", [False, True])
+def test_fused_read_path_matches_eager_on_cuda(two_phase):
+    torch.manual_seed(0)
+    cfg = get_config("tiny", ["model.residual=block_attnres", "model.attnres_block=1"]).model
+    model = CausalLM(cfg).cuda()
+    randomize(model.residual, seed=1, scale=0.5)
+    idx = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
+    out = {}
+    for fused in (False, True):
+        model.residual.fused = fused
+        model.residual.two_phase = two_phase and fused     # reference: eager, one read at a time
+        model.zero_grad()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            _, loss = model(idx, idx)
+        loss.backward()
+        out[fused] = (loss.detach(), [q.grad.clone() for q in model.residual.queries],
+                      [p.grad.clone() for p in model.layers[0].parameters()])
+    (l0, q0, p0), (l1, q1, p1) = out[False], out[True]
+    torch.testing.assert_close(l0, l1, rtol=1e-4, atol=1e-4)
+    for a, b in zip(q0 + p0, q1 + p1):
+        assert ((a - b).norm() / a.norm().clamp_min(1e-12)).item() < 2e-2   # bf16 matmuls around an fp32 mix
+
+
+@pytest.mark.parametrize("S", [1, 2, 3, 4, 8])
+def test_two_phase_equals_one_read_at_a_time(S):
+    "Precomputing each block's mixes when it opens and merging the partial later is the same softmax."
+    cfg = model_cfg()
+    e, outs = inputs(8, seed=S)
+    a = randomize(BlockAttnRes(cfg, block_sublayers=S, two_phase=False).double(), seed=S)
+    b = BlockAttnRes(cfg, block_sublayers=S, two_phase=True).double()
+    b.load_state_dict(a.state_dict())
+    a.record = b.record = True
+    ra, ea, ma = drive(a, e, outs)
+    rb, eb, mb = drive(b, e, outs)
+    for x, y in zip(ra + [ea], rb + [eb]):
+        torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
+    torch.testing.assert_close(a.depth_weights(), b.depth_weights(), rtol=0, atol=1e-12, equal_nan=True)
+    assert ma == mb == a.n_blocks + 1                   # the carried state is the same; the cache is extra
+    assert b.cache_vectors(b.begin(e)) == S - 1        # readers 1 .. S-1 of the first block (reader 0 needs none)
+    assert a.cache_vectors(a.begin(e)) == 0
+
+
+def test_two_phase_in_the_model_matches_and_trains():
+    torch.manual_seed(0)
+    cfg = get_config("tiny", ["model.d_model=32", "model.n_heads=2", "model.vocab_size=256", "model.mixer=attn",
+                              "model.global_mixer=attn", "model.residual=block_attnres", "model.attnres_block=1"]).model
+    model = CausalLM(cfg)
+    randomize(model.residual, seed=4, scale=0.3)
+    idx = torch.randint(0, 256, (2, 16))
+    out = {}
+    for two_phase in (False, True):
+        model.residual.two_phase = two_phase
+        model.zero_grad()
+        logits, loss = model(idx, idx)
+        loss.backward()
+        out[two_phase] = (logits.detach(), [p.grad.clone() for p in model.parameters()])
+    torch.testing.assert_close(out[False][0], out[True][0], rtol=1e-5, atol=1e-5)
+    for ga, gb in zip(out[False][1], out[True][1]):
+        assert ((ga - gb).norm() / ga.norm().clamp_min(1e-12)).item() < 1e-4
