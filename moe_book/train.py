@@ -84,7 +84,9 @@ class Checkpointer:
         pointer_tmp = self.dir / "LATEST.tmp"
         pointer_tmp.write_text(final.name)
         os.replace(pointer_tmp, self.dir / "LATEST")
-        for old in self.complete()[:-self.keep]:
+        # Prune by write time, not by name: a fresh run in a folder that holds an older run's higher-numbered
+        # checkpoints must keep its own newest ones (LATEST points at them).
+        for old in sorted(self.complete(), key=lambda p: p.stat().st_mtime)[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
         return final
 

@@ -209,3 +209,17 @@ def test_make_train_on_cpu_picks_tiny_and_trains(tmp_path):
     assert "preset 'tiny' (no CUDA device found" in r.stdout
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["steps"] == 6 and np.isfinite(summary["heldout_loss"])
+
+
+def test_fresh_run_keeps_its_own_checkpoints_beside_an_older_runs(tmp_path):
+    from moe_book.train import Checkpointer
+    old = Checkpointer(tmp_path, keep=2)
+    old.save({"w": torch.zeros(3), "step": 100}, 100)          # an earlier run got further
+    new = Checkpointer(tmp_path, keep=2)
+    for step in (4, 8, 12):
+        new.save({"w": torch.full((3,), float(step)), "step": step}, step)
+    assert new.latest().name == "step_00000012"
+    assert sorted(p.name for p in new.complete()) == ["step_00000008", "step_00000012"]
+    state = {"w": torch.empty(3), "step": 0}
+    new.load(state)
+    assert state["step"] == 12 and torch.equal(state["w"], torch.full((3,), 12.0))
