@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['BALANCER_RUNS', 'run_balancers', 'plot_maxvio', 'main']
 
-# %% ../../chapters/05_moe.ipynb #1cd6e32d
+# %% ../../chapters/05_moe.ipynb #8a33f47b
 """`python -m moe_book.bench balance`: none vs aux_loss vs sign_bias vs quantile on the small preset (model.ffn=moe)
 at an equal token budget; writes results/balance_small.json and results/balance_small.png."""
 import argparse

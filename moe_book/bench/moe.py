@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['SHAPES', 'TOY', 'time_ms', 'expert_gemm_flops', 'layer_flops', 'hf_experts', 'main']
 
-# %% ../../chapters/05_moe.ipynb #564e9325
+# %% ../../chapters/05_moe.ipynb #1b8d2e56
 """`python -m moe_book.bench moe`: the latent-MoE layer fwd+bwd vs a bare grouped_mm of its expert GEMMs and vs HF
 transformers' grouped_mm experts path, at the small config's shapes; writes results/bench_moe.json."""
 import argparse
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from moe_book.config import ModelConfig, MoEConfig
-from moe_book.layers.moe import GroupedExperts, LatentMoE, expert_counts, _grouped_mm_op
+from moe_book.layers.moe import GroupedExperts, LatentMoE, QuantileBalancer, expert_counts, quantile_bias, _grouped_mm_op, _FUSED_ACTS
 
 SHAPES = {"tokens": 32768, "d_model": 1024, "latent": 512, "experts": 128, "top_k": 8, "hidden": 256, "shared": 1}
 TOY = {"tokens": 256, "d_model": 64, "latent": 32, "experts": 8, "top_k": 2, "hidden": 16, "shared": 1}
@@ -103,9 +103,9 @@ def main(argv=None):
     rows = []
 
     def record(name, ms, flops):
-        row = {"name": name, "ms": ms, "flops_fwd_bwd": flops, "tflops": flops / (ms * 1e-3) / 1e12 if ms else None}
+        row = {"name": name, "ms": ms, "flops_fwd_bwd": flops, "tflops": flops / (ms * 1e-3) / 1e12 if flops else None}
         rows.append(row)
-        print(f"  {name:<34} {ms:8.3f} ms  {row['tflops']:7.2f} TFLOP/s", flush=True)
+        print(f"  {name:<34} {ms:8.3f} ms" + (f"  {row['tflops']:7.2f} TFLOP/s" if flops else ""), flush=True)
         return row
 
     # (1) the whole layer, fp32 master weights under bf16 autocast, as in training
@@ -133,7 +133,11 @@ def main(argv=None):
 
     # (2) bare grouped_mm of the same expert GEMMs on rows already sorted by expert, same per-expert counts
     with torch.no_grad():
-        _, idx, wts = layer.router(x)
+        scores, idx, wts = layer.router(x)
+    # the quantile balancer's in-forward solve on these scores (what `model.moe.balancer=quantile` adds per layer)
+    zero = torch.zeros(E, device=device)
+    record(f"quantile solve ({QuantileBalancer.sweeps} sweeps, no grad)",
+           time_ms(lambda: quantile_bias(scores, zero, k, QuantileBalancer.sweeps), (), device), None)
     counts = expert_counts(idx, E)
     offs = torch.cumsum(counts, 0).to(torch.int32)
     op = _grouped_mm_op()
@@ -202,7 +206,8 @@ def main(argv=None):
     result = {"bench": "moe", "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
               "transformers": tf_version, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "dtype": str(dtype),
               "shapes": s, "act": a.act, "balanced_loads": counts.tolist(), "rows": rows, "summary": summary,
-              "hf": {"note": hf_note, "rms_rel_vs_ours": hf_err, "profiler_saw_grouped_mm": hf_grouped}}
+              "hf": {"note": hf_note, "rms_rel_vs_ours": hf_err, "profiler_saw_grouped_mm": hf_grouped},
+              "fused_activation": {n: ("eager (compile failed)" if f is False else "torch.compile") for n, f in _FUSED_ACTS.items()}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"bench moe: wrote {out}: {json.dumps(summary)}", flush=True)

@@ -8,7 +8,7 @@ __all__ = ['SITU_BETA_GATE', 'SITU_BETA_UP', 'ACTIVATIONS', 'BALANCERS', 'situ_g
            'load_stats', 'check_moe_config', 'SharedExpert', 'LatentMoE', 'worst_maxvio', 'moe_panel', 'MaxVioAlert',
            'maxvio_summary']
 
-# %% ../../chapters/05_moe.ipynb #98513b41
+# %% ../../chapters/05_moe.ipynb #48e5154e
 """Stable Latent MoE (chapter 05): a sigmoid top-k router with a gradient-free selection bias, SiTU-GLU or SwiGLU
 experts run as grouped GEMMs over tokens sorted by expert, a shared latent down/up projection around the routed
 experts, shared experts, and load balancers behind one interface (none, aux_loss, sign_bias, quantile,
@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from moe_book.config import ConfigError, ModelConfig, MoEConfig
 
-# %% ../../chapters/05_moe.ipynb #fd8c406d
+# %% ../../chapters/05_moe.ipynb #5f5c8c0b
 SITU_BETA_GATE = 4.0   # β1: soft cap of the gate branch
 SITU_BETA_UP = 25.0    # β2: soft cap of the up branch
 
@@ -57,7 +57,7 @@ def expert_activation(name: str, gate, up):
             _FUSED_ACTS[name] = False
     return fn(gate, up)
 
-# %% ../../chapters/05_moe.ipynb #befc70e6
+# %% ../../chapters/05_moe.ipynb #c8f28eae
 def expert_counts(expert_idx, n_experts: int):
     "Token-slots per expert (int64, length n_experts) for an index tensor of any shape. No host sync (unlike bincount on CUDA)."
     flat = expert_idx.reshape(-1)
@@ -91,7 +91,7 @@ class Router(nn.Module):
         scores = self.score(x)
         return (scores, *self.select(scores, bias))
 
-# %% ../../chapters/05_moe.ipynb #b7ad7b22
+# %% ../../chapters/05_moe.ipynb #de00e1ba
 def _grouped_mm_op():
     return getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
 
@@ -228,7 +228,7 @@ def experts_reference(x, expert_idx, weights, gate_up, down, act: str = "situ"):
         out.append(acc)
     return torch.stack(out)
 
-# %% ../../chapters/05_moe.ipynb #da2bc157
+# %% ../../chapters/05_moe.ipynb #71d62ceb
 class Balancer(nn.Module):
     "Keeps a MoE layer's experts evenly loaded. Buffers only (checkpointed with the model); no parameters."
     name = "none"
@@ -390,7 +390,7 @@ def make_balancer(cfg: MoEConfig) -> Balancer:
         raise ConfigError(f"model.moe.balancer={cfg.balancer!r}: choose one of {sorted(BALANCERS)}")
     return BALANCERS[cfg.balancer](cfg)
 
-# %% ../../chapters/05_moe.ipynb #48e1027b
+# %% ../../chapters/05_moe.ipynb #5503ff5f
 def load_stats(load) -> dict:
     """For one step's token-slots per expert: MaxVio = (max − mean)/mean, dead = experts with no tokens, entropy of
     the load distribution divided by log(n) (1 = perfectly even)."""
@@ -403,7 +403,7 @@ def load_stats(load) -> dict:
     ent = -(nz * nz.log()).sum().item() / math.log(load.numel()) if load.numel() > 1 else 1.0
     return {"maxvio": (load.max().item() - mean) / mean, "dead": int((load == 0).sum()), "entropy": ent}
 
-# %% ../../chapters/05_moe.ipynb #f6f55d98
+# %% ../../chapters/05_moe.ipynb #b25af63e
 def check_moe_config(cfg: ModelConfig):
     "The MoE layer's own checks (also in config.validate, repeated here for configs built by hand)."
     m = cfg.moe
@@ -518,7 +518,7 @@ class LatentMoE(nn.Module):
                 p + "load": load, p + "bias_spread": (bias.max() - bias.min()).item(),
                 p + "score_offset_std": offset_std.item(), p + "score_token_std": token_std.item()}
 
-# %% ../../chapters/05_moe.ipynb #8490e34a
+# %% ../../chapters/05_moe.ipynb #64fb1978
 def worst_maxvio(metrics: dict):
     "The highest per-layer MaxVio in a step_metrics dict and its layer: (value, layer), or (None, None) if no MoE."
     best = (None, None)
