@@ -53,6 +53,9 @@ def test_chunk_sizes_and_bf16_inputs():
         assert (chunk_kda_torch(q, k, v, g, beta, chunk_size=C)[0] - o1).abs().max() < 1e-10
     o_bf = chunk_kda_torch(*(x.bfloat16() for x in (q, k, v, g, beta)))[0]
     assert o_bf.dtype == torch.bfloat16 and rms_rel(o_bf, o1) < 2e-2      # bf16 inputs, fp32 math inside
+    S0 = torch.randn(2, 2, 16, 16, dtype=torch.float64)                   # an empty sequence returns its state
+    o0, s0 = chunk_kda_torch(*(x[:, :0] for x in (q, k, v, g, beta)), initial_state=S0, output_final_state=True)
+    assert o0.shape == (2, 0, 2, 16) and torch.equal(s0, S0)
 
 
 @pytest.mark.parametrize("gate", ["bounded", "softplus"])
@@ -193,6 +196,8 @@ def test_decode_equals_parallel(gate):
     assert cache.state.dtype == torch.float32 and cache.state.shape == (2, cfg.kda.n_heads, cfg.kda.head_dim, cfg.kda.head_dim)
     y32 = torch.cat([layer32(x[:, :40].float(), cache)] + [layer32(x[:, t:t + 1].float(), cache) for t in range(40, 80)], 1)
     assert rms_rel(y32, y) < 1e-5
+    with pytest.raises(ValueError, match="KDACache"):
+        layer32(x[:, :1].float(), cache={"k": None})
 
 
 def test_layer_in_model_trains():

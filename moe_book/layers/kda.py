@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['KDACache', 'KimiDeltaAttention']
 
-# %% ../../chapters/01_kda.ipynb #00c5d7df
+# %% ../../chapters/01_kda.ipynb #eff07641
 """The Kimi Delta Attention token mixer (chapter 01): `KimiDeltaAttention(cfg, layer)`, selected with
 model.mixer=kda. Short convolutions, L2-normalised q/k, delta-rule step beta, per-channel decay from the bounded
 (or the old softplus) gate, gated RMSNorm output. Decoding keeps a fixed-size `KDACache`."""
@@ -94,6 +94,9 @@ class KimiDeltaAttention(nn.Module):
 
     def forward(self, x, cache: KDACache = None):
         B, T, _ = x.shape
+        if cache is not None and not isinstance(cache, KDACache):
+            raise ValueError(f"KimiDeltaAttention got a {type(cache).__name__} as cache; pass the KDACache made by "
+                             f"this layer's new_cache()")
         p = self.project(x, cache)
         lower = self.g_min if self.gate_type == "bounded" else None
         if cache is None:

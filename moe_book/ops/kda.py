@@ -5,7 +5,7 @@ __all__ = ['FACTOR_EXP_LIMIT', 'G_MIN_RANGE', 'naive_recurrent_kda', 'intra_chun
            'intra_chunk_scores_factorised', 'intra_chunk_scores', 'chunk_kda_torch', 'check_g_min', 'bounded_gate',
            'softplus_gate', 'kda_gate_init', 'kda_op', 'tile_factor_exponents', 'diagonal_tile_scores', 'tile_numerics']
 
-# %% ../../chapters/01_kda.ipynb #87984394
+# %% ../../chapters/01_kda.ipynb #fed27e95
 """KDA operators (chapter 01): the token-by-token reference `naive_recurrent_kda`, the chunked pure-torch
 `chunk_kda_torch` (chunk 64, 16-token sub-chunks, WY/UT form), the two gates, the backend switch `kda_op`, and
 the helpers that measure the numerics of the 16-token diagonal tiles.
@@ -21,7 +21,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-# %% ../../chapters/01_kda.ipynb #ac9c1706
+# %% ../../chapters/01_kda.ipynb #663f3dd6
 def _compute_dtype(x):
     "The ops work in fp64 when given fp64 (tests), otherwise in fp32 whatever the input dtype."
     return torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -93,7 +93,7 @@ def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, output
         o, S = torch.cat(outs, 1), torch.cat(states, 0)
     return o.to(out_dtype), (S if output_final_state else None)
 
-# %% ../../chapters/01_kda.ipynb #0f4bbbaa
+# %% ../../chapters/01_kda.ipynb #2c56fe8b
 def _masked_exp(x, mask):
     "exp(x) where mask, else 0; masked entries never reach exp, so no inf there (and no inf * 0 = NaN in backward)."
     return x.masked_fill(~mask, -math.inf).exp()
@@ -153,11 +153,13 @@ def intra_chunk_scores(q, k, G, sub=16):
         return intra_chunk_scores_factorised(q, k, G, sub)
     return intra_chunk_scores_pairwise(q, k, G)
 
-# %% ../../chapters/01_kda.ipynb #268b293d
+# %% ../../chapters/01_kda.ipynb #29671168
 def _chunk_scan(q, k, v, g, beta, S, C):
     "Chunked KDA over (B, T, H, .) inputs with T a multiple of C (compute dtype, q scaled); S: (B, H, K, V)."
     B, T, H, K = q.shape
     V, N = v.shape[-1], T // C
+    if N == 0:
+        return v.new_zeros(B, 0, H, V), S
     q, k, g = (x.transpose(1, 2).reshape(B, H, N, C, K) for x in (q, k, g))
     v = v.transpose(1, 2).reshape(B, H, N, C, V)
     beta = beta.transpose(1, 2).reshape(B, H, N, C, 1)
@@ -214,7 +216,7 @@ def chunk_kda_torch(q, k, v, g, beta, scale=None, initial_state=None, output_fin
     o = o[:, :T] if cu_seqlens is None else o[seq_of, pos_of][None]
     return o.to(out_dtype), (S if output_final_state else None)
 
-# %% ../../chapters/01_kda.ipynb #001e813f
+# %% ../../chapters/01_kda.ipynb #e47897c3
 G_MIN_RANGE = (-6.0, -3.0)
 
 
@@ -253,7 +255,7 @@ def kda_gate_init(n_heads: int, head_dim: int, gate: str, g_min: float = -5.0, d
         raise ValueError(f"gate={gate!r}: choose 'bounded' or 'softplus'")
     return bias.reshape(-1), A.log()
 
-# %% ../../chapters/01_kda.ipynb #0c9e2568
+# %% ../../chapters/01_kda.ipynb #e112b316
 @functools.lru_cache(maxsize=None)
 def _triton_module():
     "moe_book.kernels.kda_chunk (chapter 02) or the reason it cannot be imported."
@@ -282,7 +284,7 @@ def kda_op(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=
     return chunk_kda_torch(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                            output_final_state=output_final_state, cu_seqlens=cu_seqlens, chunk_size=chunk_size)
 
-# %% ../../chapters/01_kda.ipynb #40aa1f9f
+# %% ../../chapters/01_kda.ipynb #9b018faf
 def tile_factor_exponents(g, tile: int = 16):
     """Exponents of the factors that make each diagonal tile a matrix product, for log-decays g (..., T, K), T a
     multiple of `tile`: e[t] = G_t - G_r with r the tile's middle token (q_t is scaled by exp(e[t]), k_t by
