@@ -4,7 +4,7 @@
 __all__ = ['SHAPES', 'TOY_SHAPES', 'IMPLS', 'G_MIN', 'shape_key', 'kda_flops', 'sdpa_flops', 'kda_min_bytes', 'inputs', 'time_ms',
            'measure', 'summarize', 'versions', 'plot', 'run', 'compile_report', 'main']
 
-# %% ../../chapters/02_kda_kernel.ipynb #8ee30f2c
+# %% ../../chapters/02_kda_kernel.ipynb #9eaee7b6
 """`python -m moe_book.bench kda`: chunked KDA forward and forward+backward on the GPU, ours (bounded and unbounded
 gate paths) against fla's `chunk_kda` (when installed) and PyTorch SDPA causal flash attention, H=16, K=V=128, bf16;
 writes results/bench_kda.json (+ .png). `--toy` runs the same code at toy sizes (CPU: Triton interpreter);
@@ -15,6 +15,7 @@ import json
 import os
 import platform
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -176,7 +177,8 @@ def plot(result, path):
             ax.bar(xs, [y for y in ys if y], width, label=impl)
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(shapes))], [shape_key(*s) for s in shapes])
         ax.set_ylabel("ms (median)")
-        ax.set_yscale("log")
+        if any(r["ms"] for r in result["rows"] if r["pass"] == p):
+            ax.set_yscale("log")
         ax.set_title(f"KDA {p}, H={result['rows'][0]['H']}, K=V={result['rows'][0]['K']}")
         ax.legend(fontsize=7)
     fig.suptitle(f"{result['device']} - {result['date'][:10]}")
@@ -186,32 +188,54 @@ def plot(result, path):
     return path
 
 
-def run(shapes, H, K, V, out, device):
-    "Every row in order (ours and SDPA first: fla's first-call autotuning is long), JSON written after each row."
+def run(shapes, H, K, V, out, device, budget_s=None, impls=IMPLS):
+    """Every row in order (ours and SDPA first: fla's first-call autotuning is long), the JSON rewritten after each
+    row. Past budget_s seconds no new row starts (those rows stay null, with a note in "errors"); a SIGTERM (e.g.
+    from `timeout`) stops the run the same way, and the figure is drawn from whatever was measured."""
     result = {"name": "kda", "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
               or "cpu", "date": datetime.datetime.now().isoformat(timespec="seconds"), "versions": versions(),
               "rows": [], "summary": {}, "errors": []}
     order = [(impl, B, T, p) for impl in IMPLS[:3] for B, T in shapes for p in ("fwd", "fwd_bwd")]
     order += [(impl, B, T, p) for impl in IMPLS[3:] for B, T in shapes for p in ("fwd", "fwd_bwd")]
+    order = [o for o in order if o[0] in impls]
     out.parent.mkdir(parents=True, exist_ok=True)
     t_start = time.time()
-    for impl, B, T, p in order:
-        t0 = time.time()
-        try:
-            ms = measure(impl, B, T, H, K, V, p, device)
-        except Exception as e:                      # an OOM or a missing backend costs one row, not the run
-            ms = None
-            result["errors"].append(f"{impl} {shape_key(B, T)} {p}: {type(e).__name__}: {str(e)[:300]}")
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        result["rows"].append({"impl": impl, "B": B, "T": T, "H": H, "K": K, "V": V, "pass": p,
-                               "ms": None if ms is None else round(ms, 4)})
-        result["summary"] = summarize(result["rows"], shapes)
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    old_handler = signal.signal(signal.SIGTERM, stop)
+    try:
+        for impl, B, T, p in order:
+            t0 = time.time()
+            if budget_s is not None and t0 - t_start > budget_s:
+                ms = None
+                result["errors"].append(f"{impl} {shape_key(B, T)} {p}: skipped, past the {budget_s:g}s budget")
+            else:
+                try:
+                    ms = measure(impl, B, T, H, K, V, p, device)
+                except Exception as e:              # an OOM or a missing backend costs one row, not the run
+                    ms = None
+                    result["errors"].append(f"{impl} {shape_key(B, T)} {p}: {type(e).__name__}: {str(e)[:300]}")
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+            result["rows"].append({"impl": impl, "B": B, "T": T, "H": H, "K": K, "V": V, "pass": p,
+                                   "ms": None if ms is None else round(ms, 4)})
+            result["summary"] = summarize(result["rows"], shapes)
+            out.write_text(json.dumps(result, indent=1))
+            shown = "n/a" if ms is None else f"{ms:9.3f} ms"
+            print(f"[{time.time() - t_start:6.1f}s] {impl:15s} {shape_key(B, T):12s} {p:8s} {shown}  "
+                  f"(row took {time.time() - t0:.1f}s)", flush=True)
+    except KeyboardInterrupt as e:
+        result["errors"].append(f"stopped early ({e}) after {len(result['rows'])} rows")
         out.write_text(json.dumps(result, indent=1))
-        shown = "n/a" if ms is None else f"{ms:9.3f} ms"
-        print(f"[{time.time() - t_start:6.1f}s] {impl:15s} {shape_key(B, T):12s} {p:8s} {shown}  "
-              f"(row took {time.time() - t0:.1f}s)", flush=True)
-    png = plot(result, out.with_suffix(".png"))
+        print(f"stopped early: {e}", flush=True)
+    finally:
+        signal.signal(signal.SIGTERM, old_handler)
+    try:
+        png = plot(result, out.with_suffix(".png")) if result["rows"] else None
+    except Exception as e:                          # the figure is a convenience; the JSON is the result
+        png = None
+        print(f"no figure: {type(e).__name__}: {e}")
     print(json.dumps(result["summary"], indent=1))
     print(f"wrote {out}" + (f" and {png}" if png else ""))
     return result
@@ -287,6 +311,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m moe_book.bench kda", description=__doc__)
     ap.add_argument("--toy", action="store_true", help="toy sizes (CPU: Triton interpreter), output in a temp dir")
     ap.add_argument("--out", default=None, help="JSON path (default results/bench_kda.json)")
+    ap.add_argument("--budget", type=float, default=None, help="seconds after which no new row starts")
+    ap.add_argument("--impls", nargs="*", default=IMPLS, choices=IMPLS, help="implementations to time")
     ap.add_argument("--compile-report", action="store_true", help="compile all kernels for sm_90, print regs/spills")
     ap.add_argument("--only", nargs="*", default=None, help="--compile-report: only these kernels")
     ap.add_argument("--max-configs", type=int, default=None, help="--compile-report: autotune candidates per kernel")
@@ -307,4 +333,4 @@ def main(argv=None):
         out = Path(args.out) if args.out else Path("results/bench_kda.json")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     print(f"bench kda: {device}, shapes {shapes}, H={H}, K=V={K}, writing {out}", flush=True)
-    return run(shapes, H, K, V, out, device)
+    return run(shapes, H, K, V, out, device, args.budget, args.impls)
