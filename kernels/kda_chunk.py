@@ -5,7 +5,7 @@ __all__ = ['BT', 'BC', 'INTERPRET', 'LAUNCH', 'TUNE', 'LAUNCH_HOOK', 'kda_gate_c
            'kda_wy_fwd', 'kda_state_fwd', 'kda_output_fwd', 'kda_chunk_fwd', 'kda_output_bwd', 'kda_state_bwd',
            'kda_inter_bwd', 'kda_wy_bwd', 'kda_intra_chunk_bwd', 'kda_chunk_bwd', 'ChunkKDAFunction', 'chunk_kda']
 
-# %% ../chapters/02_kda_kernel.ipynb #f8f71ed3
+# %% ../chapters/02_kda_kernel.ipynb #db4d49a1
 """Chunked Kimi Delta Attention in Triton (chapter 02): forward and backward, bounded and unbounded gates.
 
 `chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, g_lower_bound)` has the contract
@@ -33,7 +33,7 @@ BT = 64      # chunk length: the state crosses only chunk borders
 BC = 16      # tile (sub-chunk): the 16x16 diagonal tiles and the blocks of the UT solve
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-# %% ../chapters/02_kda_kernel.ipynb #c14a9b5f
+# %% ../chapters/02_kda_kernel.ipynb #90fe3dff
 # Launch settings per kernel: warps, pipeline stages, and the K / V block (None: all of K / V in one block; the state
 # kernels keep all of K). Chosen so that no kernel spills registers on sm_90 at K = V = 128 (compile report:
 # `python -m moe_book.bench kda --compile-report`). The two sequential state walks are autotuned on the GPU among
@@ -102,7 +102,7 @@ def _par(n):
     "Autotune key for the state walks: how many run side by side, rounded to a power of two (at most 1024)."
     return min(1024, triton.next_power_of_2(n))
 
-# %% ../chapters/02_kda_kernel.ipynb #00e686fa
+# %% ../chapters/02_kda_kernel.ipynb #793a5da1
 @triton.jit
 def _chunk_bounds(i_c, cu_seqlens, chunk_indices, T, BT: tl.constexpr, IS_VARLEN: tl.constexpr):
     "First token of global chunk i_c and the end (exclusive) of its sequence, as flat token indices."
@@ -176,7 +176,7 @@ def _store_cc(ptr, x, t0, eos, r0, c0, H: tl.constexpr, BT: tl.constexpr, i_h, N
     mask = ((t0 + r) < eos)[:, None] & (c < BT)[None, :]
     tl.store(_tile_ptrs(ptr, t0, r, c, H, BT, i_h), x.to(ptr.dtype.element_ty), mask=mask)
 
-# %% ../chapters/02_kda_kernel.ipynb #29ff4f2b
+# %% ../chapters/02_kda_kernel.ipynb #88da3603
 @triton.jit
 def kda_gate_cumsum(g, G, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr,
                     BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr):
@@ -186,7 +186,7 @@ def kda_gate_cumsum(g, G, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.c
     ar, cols = tl.arange(0, BT), tl.arange(0, BK)
     _store_tile(G, tl.cumsum(_load_tile(g, t0, ar, cols, eos, H, K, i_h), axis=0), t0, ar, cols, eos, H, K, i_h)
 
-# %% ../chapters/02_kda_kernel.ipynb #fcbc9dbc
+# %% ../chapters/02_kda_kernel.ipynb #0d649d2f
 @triton.jit
 def _diag_tile_factorised(q_i, k_i, G_i, G_mid, valid, DT: tl.constexpr, PREC: tl.constexpr, BC: tl.constexpr):
     """Aqk, Akk of a diagonal 16x16 tile as two tl.dot: exp(G_t - G_i) = exp(G_t - G_mid) * exp(G_mid - G_i).
@@ -263,7 +263,7 @@ def kda_intra_chunk_fwd(q, k, G, Aqk, Akk, scale, cu_seqlens, chunk_indices, T,
                     _store_cc(Akk, tl.dot(k_dec, k_b, input_precision=PREC), t0, eos, i * BC, b * BC, H, BT, i_h,
                               BC, BC)
 
-# %% ../chapters/02_kda_kernel.ipynb #45457555
+# %% ../chapters/02_kda_kernel.ipynb #633a300e
 @triton.jit
 def _invert_unit_lower(N, BC: tl.constexpr):
     "(I + N)^-1 for a strictly lower (BC x BC) tile by forward substitution: row i = e_i - sum_{j<i} N_ij row j."
@@ -329,7 +329,7 @@ def kda_ut_solve_fwd(Akk, beta, Tm, cu_seqlens, chunk_indices, T, H: tl.constexp
     _store_cc(Tm, T32, t0, eos, 3 * BC, 2 * BC, H, BT, i_h, BC, BC)
     _store_cc(Tm, T33, t0, eos, 3 * BC, 3 * BC, H, BT, i_h, BC, BC)
 
-# %% ../chapters/02_kda_kernel.ipynb #6ea589ec
+# %% ../chapters/02_kda_kernel.ipynb #ee582ac5
 @triton.jit
 def kda_wy_fwd(q, k, v, G, beta, Tm, W, U, k_end, qg, scale, cu_seqlens, chunk_indices, T, H: tl.constexpr,
                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -361,7 +361,7 @@ def kda_wy_fwd(q, k, v, G, beta, Tm, W, U, k_end, qg, scale, cu_seqlens, chunk_i
         vb = _load_tile(v, t0, ar, cols, eos, H, V, i_h) * b
         _store_tile(U, tl.dot(Tmat, vb.to(DT), input_precision=PREC), t0, ar, cols, eos, H, V, i_h)
 
-# %% ../chapters/02_kda_kernel.ipynb #65aade3d
+# %% ../chapters/02_kda_kernel.ipynb #d952dd28
 @_tuned
 @triton.jit
 def kda_state_fwd(k_end, G, W, U, u, h, h0, ht, cu_seqlens, chunk_offsets, T, PAR, H: tl.constexpr, K: tl.constexpr,
@@ -393,7 +393,7 @@ def kda_state_fwd(k_end, G, W, U, u, h, h0, ht, cu_seqlens, chunk_offsets, T, PA
     if STORE_HT:
         tl.store(ht + i_nh.to(tl.int64) * K * V + s_offs, S, mask=sv_mask)
 
-# %% ../chapters/02_kda_kernel.ipynb #76060bb1
+# %% ../chapters/02_kda_kernel.ipynb #aabba9e9
 @triton.jit
 def kda_output_fwd(q, G, h, Aqk, u, o, scale, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr,
                    V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr,
@@ -416,7 +416,7 @@ def kda_output_fwd(q, G, h, Aqk, u, o, scale, cu_seqlens, chunk_indices, T, H: t
     acc += tl.dot(A, _load_tile(u, t0, ar, vc, eos, H, V, i_h).to(DT), input_precision=PREC)
     _store_tile(o, acc, t0, ar, vc, eos, H, V, i_h)
 
-# %% ../chapters/02_kda_kernel.ipynb #81bf21b6
+# %% ../chapters/02_kda_kernel.ipynb #a36cadd2
 class _Chunks:
     "Where the chunks are: N sequences (B of length T, or cu_seqlens), total chunk count, and the index tables."
     def __init__(self, B, T, cu_seqlens, device):
@@ -485,7 +485,7 @@ def _wy_and_state(q, k, v, G, beta, Tm, scale, initial_state, output_final_state
             USE_H0=initial_state is not None, STORE_HT=output_final_state, PREC=PREC)
     return W, k_end, qg, u, h, ht
 
-# %% ../chapters/02_kda_kernel.ipynb #06ab6807
+# %% ../chapters/02_kda_kernel.ipynb #86393283
 @triton.jit
 def kda_output_bwd(Aqk, u, do, du_intra, dAqk, cu_seqlens, chunk_indices, T, H: tl.constexpr, V: tl.constexpr,
                    BT: tl.constexpr, BV: tl.constexpr, IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
@@ -544,7 +544,7 @@ def kda_state_bwd(qg, k_end, G, W, do, du_intra, du, dh, dht, dh0, cu_seqlens, c
     if STORE_DH0:
         tl.store(dh0 + i_nh.to(tl.int64) * K * V + s_offs, dS, mask=sv_mask)
 
-# %% ../chapters/02_kda_kernel.ipynb #a056b141
+# %% ../chapters/02_kda_kernel.ipynb #0454aa27
 @triton.jit
 def kda_inter_bwd(q, k, G, h, dh, u, do, du, dqs, dk, dG, dW, scale, cu_seqlens, chunk_indices, T,
                   H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -597,7 +597,7 @@ def kda_inter_bwd(q, k, G, h, dh, u, do, du, dqs, dk, dG, dW, scale, cu_seqlens,
     _store_tile(dG, dG_c, t0, ar, kc, eos, H, K, i_h)
     _store_tile(dW, d_w, t0, ar, kc, eos, H, K, i_h)
 
-# %% ../chapters/02_kda_kernel.ipynb #a107ef28
+# %% ../chapters/02_kda_kernel.ipynb #6d58e687
 @triton.jit
 def kda_wy_bwd(k, v, G, beta, Tm, Akk, dW, du, dk, dG, dv, dbeta, dAkk, cu_seqlens, chunk_indices, T,
                H: tl.constexpr, K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -640,7 +640,7 @@ def kda_wy_bwd(k, v, G, beta, Tm, Akk, dW, du, dk, dG, dv, dbeta, dAkk, cu_seqle
     _store_cc(dAkk, dL * b[:, None], t0, eos, 0, 0, H, BT, i_h, BT, BT)
     tl.store(dbeta + t0.to(tl.int64) * H + i_h + ar * H, db, mask=rows < eos)
 
-# %% ../chapters/02_kda_kernel.ipynb #37326cf9
+# %% ../chapters/02_kda_kernel.ipynb #7200c6d6
 @triton.jit
 def kda_intra_chunk_bwd(q, k, G, dAqk, dAkk, dqs_p, dk_p, dG_p, dq, dk, dg, scale, cu_seqlens, chunk_indices, T,
                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
@@ -737,7 +737,7 @@ def kda_intra_chunk_bwd(q, k, G, dAqk, dAkk, dqs_p, dk_p, dG_p, dq, dk, dg, scal
             _store_tile(dk, d_k, row0, sub, cols, eos, H, K, i_h)
             _store_tile(dg, d_g, row0, sub, cols, eos, H, K, i_h)
 
-# %% ../chapters/02_kda_kernel.ipynb #c65d5bd2
+# %% ../chapters/02_kda_kernel.ipynb #05bfb8d3
 def kda_chunk_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, bounded):
     "Runs the backward kernels; returns dq, dk, dv, dg, dbeta (fp32 / input dtypes) and d initial_state."
     G, Aqk, Akk, Tm, ch = saved
@@ -772,6 +772,8 @@ def kda_chunk_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, bounded):
     return dq, dk, dv, dg, dbeta, dh0
 
 class ChunkKDAFunction(torch.autograd.Function):
+    """Keeps q, k, v, beta, the initial state, G, Aqk, Akk and Tm between forward and backward (64 numbers per
+    token and head or fewer each); the backward recomputes W, U and the chunk states."""
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, bounded):
         o, ht, saved = kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, bounded)
@@ -782,6 +784,7 @@ class ChunkKDAFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dht):
         q, k, v, beta, h0, G, Aqk, Akk, Tm = ctx.saved_tensors
+        dht = None if dht is None else dht.float().contiguous()
         dq, dk, dv, dg, dbeta, dh0 = kda_chunk_bwd(q, k, v, beta, ctx.scale, h0, (G, Aqk, Akk, Tm, ctx.chunks), do,
                                                    dht, ctx.bounded)
         return dq, dk, dv, dg.to(ctx.g_dtype), dbeta.to(beta.dtype), None, dh0, None, None, None

@@ -4,7 +4,7 @@
 __all__ = ['SHAPES', 'TOY_SHAPES', 'IMPLS', 'G_MIN', 'shape_key', 'kda_flops', 'sdpa_flops', 'kda_min_bytes', 'inputs', 'time_ms',
            'measure', 'summarize', 'versions', 'plot', 'run', 'compile_report', 'main']
 
-# %% ../../chapters/02_kda_kernel.ipynb #9eaee7b6
+# %% ../../chapters/02_kda_kernel.ipynb #98e402e0
 """`python -m moe_book.bench kda`: chunked KDA forward and forward+backward on the GPU, ours (bounded and unbounded
 gate paths) against fla's `chunk_kda` (when installed) and PyTorch SDPA causal flash attention, H=16, K=V=128, bf16;
 writes results/bench_kda.json (+ .png). `--toy` runs the same code at toy sizes (CPU: Triton interpreter);
