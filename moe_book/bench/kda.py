@@ -2,7 +2,7 @@
 
 # %% auto #0
 __all__ = ['SHAPES', 'TOY_SHAPES', 'IMPLS', 'G_MIN', 'shape_key', 'kda_flops', 'sdpa_flops', 'kda_min_bytes', 'inputs', 'time_ms',
-           'measure', 'summarize', 'versions', 'plot', 'run', 'compile_report', 'main']
+           'measure', 'summarize', 'versions', 'plot', 'run', 'compile_report', 'profile_kernels', 'main']
 
 # %% ../../chapters/02_kda_kernel.ipynb #98e402e0
 """`python -m moe_book.bench kda`: chunked KDA forward and forward+backward on the GPU, ours (bounded and unbounded
@@ -307,6 +307,36 @@ def compile_report(K=128, V=128, H=16, dtype=torch.bfloat16, arch=90, only=None,
     return rows
 
 
+def profile_kernels(B=8, T=4096, H=16, K=128, V=128, iters=5, out=None, bounded=True):
+    """Where ours spends its time: torch.profiler over `iters` forward+backward calls at one shape (after one
+    untimed call that autotunes), GPU time summed per kernel name, largest first. Writes JSON when out is given."""
+    from torch.profiler import ProfilerActivity, profile
+    fn = _impl("ours_bounded" if bounded else "ours_unbounded")
+    xs = [x.requires_grad_() for x in inputs(B, T, H, K, V, torch.device("cuda"))]
+    do = torch.randn_like(xs[2])
+    fn(*xs).backward(do)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn(*xs).backward(do)
+        torch.cuda.synchronize()
+    per = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
+        if us > 0:
+            per[e.key] = per.get(e.key, 0.0) + us / iters / 1e3
+    rows = sorted(({"kernel": k, "ms_per_call": round(v, 4)} for k, v in per.items()), key=lambda r: -r["ms_per_call"])
+    total = sum(r["ms_per_call"] for r in rows)
+    for r in rows:
+        r["share"] = round(r["ms_per_call"] / total, 4)
+        print(f"{r['kernel'][:60]:60s} {r['ms_per_call']:8.3f} ms  {100 * r['share']:5.1f}%")
+    result = {"shape": shape_key(B, T), "H": H, "K": K, "V": V, "pass": "fwd_bwd", "bounded": bounded,
+              "total_ms": round(total, 4), "kernels": rows}
+    if out is not None:
+        Path(out).write_text(json.dumps(result, indent=1))
+    return result
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m moe_book.bench kda", description=__doc__)
     ap.add_argument("--toy", action="store_true", help="toy sizes (CPU: Triton interpreter), output in a temp dir")
@@ -316,7 +346,13 @@ def main(argv=None):
     ap.add_argument("--compile-report", action="store_true", help="compile all kernels for sm_90, print regs/spills")
     ap.add_argument("--only", nargs="*", default=None, help="--compile-report: only these kernels")
     ap.add_argument("--max-configs", type=int, default=None, help="--compile-report: autotune candidates per kernel")
+    ap.add_argument("--profile", default=None, metavar="JSON",
+                    help="GPU: per-kernel time of ours (bounded) fwd+bwd at B=8, T=4096 into JSON, then exit")
     args = ap.parse_args(argv)
+    if args.profile:
+        if not torch.cuda.is_available():
+            sys.exit("bench kda --profile: needs a CUDA GPU")
+        return profile_kernels(out=args.profile)
     if args.compile_report:                             # compiles for a GPU target: no interpreter, no GPU needed
         only = set(args.only) if args.only else None
         return compile_report(only=only, max_configs=args.max_configs,
