@@ -187,6 +187,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=0, help="batch size for timing and A/B (0: the preset's)")
     p.add_argument("--seq", type=int, default=0, help="sequence length for timing and A/B (0: the preset's)")
     p.add_argument("--out", default="results/attnres_ab.json")
+    p.add_argument("--default-path-only", action="store_true",
+                   help="CUDA: time plain vs the default Block AttnRes path only (skip the one-read and eager arms)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides for both arms")
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -207,7 +209,7 @@ def main(argv=None):
     # block_attnres runs the default path (CUDA: fused two-phase; CPU: eager, one read at a time); on CUDA the other
     # paths are timed too, to show what each piece buys.
     timing_arms = [("plain", cfgs["plain"], None, None), ("block_attnres", cfgs["block_attnres"], None, None)]
-    if device.type == "cuda":
+    if device.type == "cuda" and not a.default_path_only:
         timing_arms += [("block_attnres_fused_one_read", cfgs["block_attnres"], True, False),
                         ("block_attnres_eager", cfgs["block_attnres"], False, False)]
     for arm, cfg, fused, two_phase in timing_arms:
