@@ -1,4 +1,5 @@
-"""Chapter 00's claims: data pipeline integrity, config errors, and checkpoints that survive SIGKILL."""
+"""Chapter 00's claims: data pipeline integrity, config errors and presets, the FLOPs count behind MFU, checkpoints
+that survive SIGKILL, and rollbacks that skip a bad batch."""
 import json
 import os
 import signal
@@ -84,12 +85,41 @@ def test_corrupt_truncated_and_mismatched_data_give_one_clear_error(tiny_data, t
     ("model.mixer=rnn", "model.mixer='rnn': choose one of"),
     ("model.kda.g_min=-9", r"g_min=-9.0: must lie in \[-6, -3\]"),
     ("model.moe.top_k=99", "top_k=99"),
+    ("model.moe.balancer=quantil", r"model.moe.balancer='quantil': choose one of \(.*'quantile'"),
+    ("train.ckpt_every=-1", "train.ckpt_every=-1: must be >= 0"),
+    ("train.spike_zscore=-1", "train.spike_zscore=-1.0: must be >= 0"),
     ("train.seq_len=100000", "exceeds model.max_seq_len"),
     ("lr", "not key=value"),
 ])
 def test_bad_config_is_one_clear_error(override, pattern):
     with pytest.raises(ConfigError, match=pattern):
         get_config("tiny", [override])
+
+
+def test_balancer_names_match_chapter_05():
+    from moe_book.config import BALANCER_TYPES
+    from moe_book.layers.moe import BALANCERS
+    assert sorted(BALANCER_TYPES) == sorted(BALANCERS)
+    for name in BALANCER_TYPES:
+        assert get_config("tiny", [f"model.moe.balancer={name}"]).model.moe.balancer == name
+
+
+def test_presets_turn_every_piece_on():
+    for preset in ("tiny", "small"):
+        m = get_config(preset).model
+        mixers = [m.mixer_of(i) for i in range(m.n_layers)]
+        ffns = [m.ffn_of(i) for i in range(m.n_layers)]
+        assert mixers == ["kda", "kda", "kda", "mla"] * (m.n_layers // 4), (preset, mixers)
+        assert ffns == ["mlp"] + ["moe"] * (m.n_layers - 1), (preset, ffns)
+        assert m.residual == "block_attnres" and m.moe.balancer == "quantile" and m.moe.act == "situ"
+        assert 0 < m.moe.latent_dim < m.d_model and m.moe.n_shared == 1
+    t, s = get_config("tiny").model, get_config("small").model
+    assert (t.n_layers, t.attnres_block, t.moe.n_experts, t.moe.top_k) == (4, 2, 8, 2)
+    assert (s.n_layers, s.d_model, s.attnres_block, s.d_ff_dense, s.moe.n_experts, s.moe.top_k, s.moe.d_expert,
+            s.moe.latent_dim) == (16, 1024, 4, 2816, 128, 8, 256, 512)
+    b = get_config("tiny", BASELINE).model
+    assert {b.mixer_of(i) for i in range(4)} == {"attn"} and {b.ffn_of(i) for i in range(4)} == {"mlp"}
+    assert b.residual == "plain"
 
 
 def test_overrides_reach_nested_fields_and_budget():
@@ -106,10 +136,71 @@ def test_cli_reports_bad_config_without_traceback():
     assert "Traceback" not in r.stderr
 
 
+# ------------------------------------------------------------------------------------------------------ FLOPs
+# The full system at a size small enough to count by hand: layer 0 = KDA + dense SwiGLU, layer 1 = Gated MLA +
+# Latent MoE, Block AttnRes; vocabulary 64, d 32, sequences of 32 tokens.
+FULL_SMALL = ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2", "model.global_every=2",
+              "model.attnres_block=1", "model.first_dense=1", "model.d_ff_dense=64",
+              "model.kda.n_heads=2", "model.kda.head_dim=16", "model.kda.gate_rank=8", "model.kda.chunk_size=16",
+              "model.mla.n_heads=2", "model.mla.kv_lora=16", "model.mla.qk_nope=8", "model.mla.qk_rope=8",
+              "model.mla.v_head=8", "model.moe.n_experts=4", "model.moe.top_k=2", "model.moe.d_expert=16",
+              "model.moe.latent_dim=16"]
+
+
+def test_model_flops_per_token_hand_computed():
+    from moe_book.model import flops_breakdown, model_flops_per_token
+    cfg = get_config("tiny", FULL_SMALL + ["train.seq_len=32"]).model
+    d, T = 32, 32
+    kda = (3 * d * 32            # q, k, v projections (2 heads x 16)
+           + 3 * 32 * 4          # depthwise short convolution, kernel 4, on q, k, v channels
+           + d * 2               # beta, one per head
+           + d * 8 + 8 * 32      # low-rank decay gate d -> 8 -> 32
+           + d * 16 + 16 * 32    # low-rank output gate d -> head_dim -> 32
+           + 32 * d)             # output projection
+    dense = d * 2 * 64 + 64 * d  # SwiGLU of width 64 (gate and up fused, down)
+    mla = (d * 2 * (8 + 8)       # queries: 2 heads x (qk_nope + qk_rope)
+           + d * (16 + 8)        # down to [c_kv | k_rope]
+           + 16 * 2 * (8 + 8)    # c_kv up to per-head k_nope and v
+           + d * 2               # per-head output gate
+           + 2 * 8 * d)          # output projection
+    moe = (d * 4                 # router
+           + 2 * d * 16          # latent down and up
+           + 2 * (3 * 16 * 16)   # 2 of the 4 routed experts, each gate/up 16 -> 2x16, down 16 -> 16, in the latent
+           + 3 * d * 16)         # the shared expert at full width, hidden 16
+    head = 64 * d                # tied LM head (the embedding lookup itself is not a matmul)
+    assert (kda, dense, mla, moe, head) == (6080, 6144, 2880, 4224, 2048)
+    active = kda + dense + mla + moe + head
+    attention = 3 * T * 2 * (8 + 8 + 8)                             # MLA: causal T/2 keys x (d_qk + d_v) x 2 x 3
+    C, K, V = 16, 16, 16
+    kda_flops = 3 * 2 * (3 * C * K + 2 * C * V + 6 * K * V)          # chunked KDA per token, 2 heads, x3 fwd+bwd
+    f = flops_breakdown(cfg, T)
+    assert f["active_params"] == active == 21376
+    assert (f["attention"], f["kda"]) == (attention, kda_flops) == (4608, 16896)
+    assert model_flops_per_token(cfg, T) == f["total"] == 6 * 21376 + 4608 + 16896 == 149760
+    # softmax attention, untied head: 2 layers of qkv + out (2 heads x 16) and a SwiGLU of 64, plus the head
+    base = get_config("tiny", ["model.vocab_size=64", "model.d_model=32", "model.n_layers=2", "model.n_heads=2",
+                               "model.head_dim=16", "model.d_ff=64", "model.tie_embeddings=false"] + BASELINE).model
+    per_layer = d * 3 * 32 + 32 * d + d * 2 * 64 + 64 * d
+    assert flops_breakdown(base, T) == {"active_params": 2 * per_layer + 64 * d, "matmul": 6 * (2 * per_layer + 64 * d),
+                                        "attention": 2 * 3 * T * 2 * (16 + 16), "kda": 0,
+                                        "total": 6 * 22528 + 12288}
+
+
+def test_mfu_needs_a_known_peak():
+    from moe_book.model import mfu, peak_flops
+    assert peak_flops("NVIDIA H200") == peak_flops("NVIDIA H100 80GB HBM3") == 989e12
+    assert peak_flops("cpu") is None and peak_flops("NVIDIA GeForce RTX 4090") is None
+    assert mfu(1e9, 247_250, 989e12) == pytest.approx(0.25)
+    assert mfu(1e9, 247_250, None) is None
+
+
 # ---------------------------------------------------------------------------------------------------- resume
-FAST = ["model.mixer=attn", "model.global_mixer=attn", "model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.head_dim=16", "model.d_ff=64",
-        "train.seq_len=32", "train.batch_size=4", "train.steps=12", "train.ckpt_every=4", "train.log_every=4",
-        "train.eval_every=6", "train.eval_batches=2", "train.warmup_steps=3", "train.live=off", "train.keep_ckpts=5"]
+BASELINE = ["model.mixer=attn", "model.global_mixer=attn", "model.ffn=mlp", "model.residual=plain", "model.first_dense=0"]
+TRAIN_FAST = ["train.seq_len=32", "train.batch_size=4", "train.steps=12", "train.ckpt_every=4", "train.log_every=4",
+              "train.eval_every=6", "train.eval_batches=2", "train.warmup_steps=3", "train.live=off", "train.keep_ckpts=5"]
+FAST = BASELINE + ["model.d_model=32", "model.n_layers=2", "model.n_heads=2", "model.head_dim=16", "model.d_ff=64"] + TRAIN_FAST
+# every piece on (KDA, Gated MLA, Block AttnRes, dense first layer, Latent MoE with Quantile Balancing), tiny widths
+FULL_FAST = [o for o in FULL_SMALL if not o.startswith("model.vocab_size")] + TRAIN_FAST
 
 # A child process that trains and, through a patched hook, SIGKILLs itself at a chosen moment.
 CHILD = textwrap.dedent("""
@@ -156,15 +247,20 @@ def _final_params(out_dir):
     return state["model"]
 
 
-def test_resume_after_sigkill_is_bitwise_identical(tiny_data, tmp_path):
-    cfg, _ = tiny_data
-    data = [f"data.dir={cfg.data.dir}", "model.vocab_size=1024", "data.max_corpus_mb=2",
+def _data(cfg):
+    "Overrides that point a run at the session's prepared test corpus."
+    return [f"data.dir={cfg.data.dir}", "model.vocab_size=1024", "data.max_corpus_mb=2",
             "data.tokenizer_sample_mb=2", "data.long_doc_min_tokens=20000"]
+
+
+@pytest.mark.parametrize("model", ["baseline", "full"])
+def test_resume_after_sigkill_is_bitwise_identical(tiny_data, tmp_path, model):
+    cfg, _ = tiny_data
     runs = {}
     for name in ("straight", "killed"):
         out = tmp_path / name
         out.mkdir()
-        ov = FAST + data + [f"train.out_dir={out}"]
+        ov = (FAST if model == "baseline" else FULL_FAST) + _data(cfg) + [f"train.out_dir={out}"]
         (out / "cli.json").write_text(json.dumps(ov))
         runs[name] = (out, ov)
     r = _run("none", 0, "fresh", runs["straight"][1])
@@ -179,13 +275,16 @@ def test_resume_after_sigkill_is_bitwise_identical(tiny_data, tmp_path):
     assert all(straight[s] == resumed[s] for s in straight), "losses after resume must be bitwise identical"
     a, b = _final_params(runs["straight"][0]), _final_params(runs["killed"][0])
     assert all(torch.equal(a[k], b[k]) for k in a)
+    if model == "full":   # the MoE selection biases and balancer windows are buffers: checkpointed and reproduced
+        biases = [k for k in a if k.endswith("router.bias")]
+        assert biases and any(k.endswith("balancer.window") for k in a)
+        assert all(a[k].abs().sum() > 0 for k in biases), "the quantile balancer must have moved the biases"
 
 
 def test_kill_during_checkpoint_write_keeps_previous_checkpoint(tiny_data, tmp_path):
     cfg, _ = tiny_data
     out = tmp_path / "run"
-    ov = FAST + [f"data.dir={cfg.data.dir}", "model.vocab_size=1024", "data.max_corpus_mb=2",
-                 "data.tokenizer_sample_mb=2", "data.long_doc_min_tokens=20000", f"train.out_dir={out}"]
+    ov = FAST + _data(cfg) + [f"train.out_dir={out}"]
     r = _run("during_ckpt", 8, "fresh", ov)
     assert r.returncode == -signal.SIGKILL
     from moe_book.train import Checkpointer
@@ -223,3 +322,108 @@ def test_fresh_run_keeps_its_own_checkpoints_beside_an_older_runs(tmp_path):
     state = {"w": torch.empty(3), "step": 0}
     new.load(state)
     assert state["step"] == 12 and torch.equal(state["w"], torch.full((3,), 12.0))
+
+
+# -------------------------------------------------------------------------------------------------- rollbacks
+def test_guard_flags_non_finite_values_and_loss_spikes():
+    from moe_book.train import Guard
+    g = Guard(get_config("tiny", ["train.spike_zscore=6", "train.spike_window=20"]).train)
+    noise = 5 + 0.1 * np.random.default_rng(0).standard_normal(20)
+    assert all(g.check(float(v), 1.0) is None for v in noise)
+    assert g.check(5.3, 1.0) is None, "ordinary noise is not a spike"
+    assert g.check(7.0, 1.0).startswith("loss spike: 7.0000 is")
+    assert g.check(float("nan"), 1.0) == "non-finite loss (nan)"
+    assert g.check(5.0, float("inf")) == "non-finite gradient norm (inf)"
+    off = Guard(get_config("tiny", ["train.spike_zscore=0", "train.spike_window=20"]).train)
+    assert all(off.check(float(v), 1.0) is None for v in noise) and off.check(100.0, 1.0) is None
+    g.skip(5); g.skip(3)
+    assert [g.batch_index(s) for s in range(6)] == [0, 1, 2, 4, 6, 7], "skipped batches are never drawn"
+
+
+def _rows(out_dir):
+    return [json.loads(l) for l in (Path(out_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_nan_rolls_back_skips_the_batch_and_continues_like_a_run_without_it(tiny_data, tmp_path, monkeypatch):
+    import moe_book.train as T
+    cfg, _ = tiny_data
+    over = FULL_FAST + _data(cfg) + ["train.log_every=2"]
+    # Batch 6 (step 7) turns the loss into NaN. Checks run every 2 steps, so it is found at step 8 and the run
+    # goes back to the checkpoint of step 4 and replays steps 5, 6 before drawing batch 7 for step 7.
+    monkeypatch.setenv("MOE_BOOK_INJECT_NAN", "6")
+    s = T.train(get_config("tiny", over + [f"train.out_dir={tmp_path / 'nan'}"]), verbose=False)
+    monkeypatch.delenv("MOE_BOOK_INJECT_NAN")
+    assert s["skipped_batches"] == [6] and len(s["rollbacks"]) == 1
+    rb = s["rollbacks"][0]
+    assert (rb["step"], rb["batch"], rb["restored_step"], rb["loss"]) == (7, 6, 4, "nan")
+    rows = _rows(tmp_path / "nan")
+    assert [r["event"] for r in rows if r.get("event") not in (None, "log")] == ["rollback"]
+    steps = [r for r in rows if "event" not in r]
+    assert [r["step"] for r in steps] == list(range(1, 13)), "every step once: the replayed ones replace the lost ones"
+    assert [r["batch"] for r in steps] == [0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11, 12]
+    # The reference: the same config on a data stream that never had batch 6.
+    monkeypatch.setattr(T.Guard, "batch_index", lambda self, step: step if step < 6 else step + 1)
+    ref = T.train(get_config("tiny", over + [f"train.out_dir={tmp_path / 'ref'}"]), verbose=False)
+    assert ref["rollbacks"] == []
+    assert [r["loss"] for r in steps] == [r["loss"] for r in _rows(tmp_path / "ref") if "event" not in r]
+    assert s["heldout_loss"] == ref["heldout_loss"]
+    (tmp_path / "nan" / "cli.json").write_text(json.dumps(over))
+    (tmp_path / "ref" / "cli.json").write_text(json.dumps(over))
+    a, b = _final_params(tmp_path / "nan"), _final_params(tmp_path / "ref")
+    assert all(torch.equal(a[k], b[k]) for k in a), "weights and MoE buffers identical to the run without the batch"
+
+
+def test_repeated_nans_stop_with_advice_and_leave_checkpoints_loadable(tiny_data, tmp_path):
+    cfg, _ = tiny_data
+    out = tmp_path / "run"
+    ov = FULL_FAST + _data(cfg) + [f"train.out_dir={out}", "train.log_every=2", "train.max_rollbacks=2"]
+    # batches 5, 6, 7 are all bad: two rollbacks skip 5 and 6, then batch 7 ends the run
+    r = subprocess.run([sys.executable, "-m", "moe_book.train", "--preset", "tiny", *ov], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600, env={**os.environ, "MOE_BOOK_INJECT_NAN": "5,6,7"})
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr
+    assert "error: training diverged at step 6: non-finite loss (nan), after 2 rollbacks (train.max_rollbacks=2)" in r.stderr
+    assert "lower learning rate" in r.stderr and "--resume" in r.stderr
+    assert r.stdout.count("rolled back to step 4") == 2
+    events = [row["event"] for row in _rows(out) if row.get("event") not in (None, "log")]
+    assert events == ["rollback", "rollback", "diverged"]
+    from moe_book.train import Checkpointer
+    assert Checkpointer(out).latest().name == "step_00000004"
+    (out / "cli.json").write_text(json.dumps(ov))
+    params = _final_params(out)
+    assert all(torch.isfinite(v).all() for v in params.values() if v.is_floating_point())
+
+
+def test_cli_summary_and_final_only_checkpoint(tiny_data, tmp_path, capsys):
+    from moe_book.train import Checkpointer, main
+    cfg, _ = tiny_data
+    out, path = tmp_path / "run", tmp_path / "results" / "summary.json"
+    main(["--preset", "tiny", "--summary", str(path), *FULL_FAST, *_data(cfg), f"train.out_dir={out}",
+          "train.ckpt_every=0"])
+    assert f"summary written to {path}" in capsys.readouterr().out
+    s = json.loads(path.read_text())
+    assert (s["steps"], s["tokens"]) == (12, 12 * 4 * 32)
+    for key in ("train_loss", "heldout_loss", "tokens_per_s"):
+        assert np.isfinite(s[key]) and s[key] > 0, key
+    assert s["mfu"] is None and s["peak_mem_gib"] is None, "no MFU or CUDA memory on a CPU"
+    assert s["flops_per_token"] > 6 * s["active_params"] > 0
+    assert set(s["maxvio_final"]) == {"L1"} and s["maxvio_worst_final"] == s["maxvio_final"]["L1"] >= 0
+    assert s["command"].startswith("python -m moe_book.train --preset tiny --summary")
+    assert s["rollbacks"] == [] and s["skipped_batches"] == []
+    assert [p.name for p in Checkpointer(out).complete()] == ["step_00000012"], "train.ckpt_every=0: final only"
+
+
+def test_live_panel_shows_mfu_and_worst_layer_maxvio(tmp_path):
+    from rich.console import Console
+    from moe_book.layers.moe import moe_panel
+    from moe_book.train import Monitor
+    mon = Monitor(get_config("tiny", ["train.live=off"]), tmp_path, steps=100, start=0, verbose=False)
+    row = {"step": 10, "loss": 5.0, "lr": 1e-3, "tokens_per_s": 123456.0, "mfu": 0.287, "mem_gib": 40.0, "rollbacks": 1,
+           "moe/L1/maxvio": 0.04, "moe/L1/load": [9, 11], "moe/L3/maxvio": 0.31, "moe/L3/load": [13, 7]}
+    row.update(moe_panel(row))
+    console = Console(width=100, record=True)
+    console.print(mon._panel(row))
+    text = console.export_text()
+    mon.close()
+    for expected in ("MFU", "28.7%", "123,456", "MaxVio worst (L3)", "0.310", "rollbacks", "40.0 GiB"):
+        assert expected in text, expected
