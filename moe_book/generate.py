@@ -186,11 +186,15 @@ def load_run(path, device="cpu"):
 
 
 def main(argv=None):
-    "`python -m moe_book.generate --ckpt runs/tiny --prompt 'def '`: sample a continuation from a trained run."
+    """`python -m moe_book.generate --ckpt runs/tiny --prompt 'def '`: sample a continuation from a trained run, or
+    `--model exports/tiny` from a safetensors export (chapter 09: weights + config.json + tokenizer.json)."""
     import argparse
     from moe_book.data import EOT, data_dir_for, load_tokenizer
     p = argparse.ArgumentParser(prog="python -m moe_book.generate", description=main.__doc__)
-    p.add_argument("--ckpt", required=True, help="a run directory (train.out_dir) or one of its ckpt/step_* folders")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", help="a run directory (train.out_dir) or one of its ckpt/step_* folders")
+    src.add_argument("--model", help="an export folder written by `python -m moe_book.export` (model.safetensors, "
+                                     "config.json, tokenizer.json)")
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--temperature", type=float, default=0.8)
@@ -198,10 +202,17 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model, cfg = load_run(a.ckpt, device)
-    tok = load_tokenizer(data_dir_for(cfg))
+    if a.model:
+        from moe_book.export import load_export
+        model, cfg, tok, _ = load_export(a.model, device)
+        if tok is None:
+            raise SystemExit(f"error: {a.model} has no tokenizer.json; export it again with its run's tokenizer")
+    else:
+        model, cfg = load_run(a.ckpt, device)
+        tok = load_tokenizer(data_dir_for(cfg))
+    eot = tok.token_to_id(EOT)
     out = generate(model, [tok.encode(a.prompt).ids], a.max_new_tokens, a.temperature, top_p=a.top_p,
-                   stop_tokens=[tok.token_to_id(EOT)], seed=a.seed)
+                   stop_tokens=[eot] if eot is not None else [], seed=a.seed)
     print(a.prompt + tok.decode(out.new_tokens[0]))
 
 
