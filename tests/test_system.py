@@ -228,11 +228,15 @@ def test_bench_system_hf_toy(tmp_path):
         from transformers import KimiLinearConfig  # noqa: F401
     except ImportError:
         pytest.skip("this transformers has no KimiLinear (needs transformers >= 5)")
-    res = system.main(["--toy", "--systems", "hf_kimi_linear", "--warmup", "1", "--steps", "1",
+    res = system.main(["--toy", "--systems", "hf_kimi_linear,hf_kimi_linear_bf16,ours", "--warmup", "1", "--steps", "1",
                        "--out", str(tmp_path / "bs.json")])
-    row = res["rows"][0]
-    assert "error" not in row, row.get("error")
-    assert row["hf_experts_implementation"] == "grouped_mm"
+    rows = {r["system"]: r for r in res["rows"]}
+    for name, dtype in (("hf_kimi_linear", "torch.float32"), ("hf_kimi_linear_bf16", "torch.bfloat16")):
+        assert "error" not in rows[name], rows[name].get("error")
+        assert rows[name]["hf_experts_implementation"] == "grouped_mm" and rows[name]["param_dtype"] == dtype
+    s = res["summary"]
+    assert s["hf_reference"] == max(system.HF_SYSTEMS, key=lambda n: rows[n]["tokens_per_s"])
+    assert s["speedup_vs_hf"] == rows["ours"]["tokens_per_s"] / rows[s["hf_reference"]]["tokens_per_s"]
     lfl = every_piece("tiny", list(system.LIKE_FOR_LIKE))
     hc = hf_config(lfl.model)
     assert hc.layer_types == ["linear_attention"] * 3 + ["full_attention"]
