@@ -199,13 +199,16 @@ def test_param_counts_by_hand():
 
 def test_bench_system_toy_ours(tmp_path):
     out = tmp_path / "bs.json"
-    res = system.main(["--toy", "--systems", "ours,ours_like_for_like", "--warmup", "1", "--steps", "1", "--out", str(out)])
+    res = system.main(["--toy", "--systems", "ours,ours_like_for_like", "--warmup", "1", "--steps", "1", "--profile",
+                       "--out", str(out)])
     rows = {r["system"]: r for r in json.loads(out.read_text())["rows"]}
     assert res["toy"] and set(rows) == {"ours", "ours_like_for_like"}
     for r in rows.values():
         assert "error" not in r and r["tokens_per_s"] > 0 and r["params"]["active"] < r["params"]["total"]
     assert rows["ours_like_for_like"]["params"]["total"] != rows["ours"]["params"]["total"]
     assert res["summary"]["speedup_vs_hf"] is None and res["summary"]["errors"] == {}
+    top = rows["ours"]["profile_top"]                     # --profile: the top ops of (a), by self time
+    assert top and "profile_top" not in rows["ours_like_for_like"] and all(k["self_ms_per_step"] >= 0 for k in top)
 
 
 def test_bench_system_one_failure_keeps_the_other_rows(tmp_path, monkeypatch):

@@ -131,10 +131,8 @@ def build_hf(mc: ModelConfig, device, lr: float = 1e-3, bf16_params: bool = Fals
     from transformers import KimiLinearForCausalLM
     torch.manual_seed(0)
     hcfg = hf_config(mc)
-    with torch.device(device):
-        model = KimiLinearForCausalLM(hcfg)
-    if bf16_params:
-        model = model.to(torch.bfloat16)
+    model = KimiLinearForCausalLM(hcfg)        # built on the CPU, as from_config would, then moved
+    model = model.to(device, torch.bfloat16 if bf16_params else torch.float32)
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, betas=(0.9, 0.95),
                             weight_decay=0.1, fused=device.type == "cuda")
@@ -268,9 +266,12 @@ def run_system(name: str, build, cfg_of_row, device, x, warmup: int, steps: int,
             + (f", peak {row['peak_mem_gib']:.1f} GiB" if "peak_mem_gib" in row else "")
             + f", loss {row['loss_first']:.3f} -> {row['loss_last']:.3f}")
         if profile:
-            table, top = profile_table(model, opt, forward, x, device)
-            print(table, flush=True)
-            row["profile_top"] = top
+            try:
+                table, top = profile_table(model, opt, forward, x, device)
+                print(table, flush=True)
+                row["profile_top"] = top
+            except Exception as e:             # a profiler problem must not cost the measured row
+                row["profile_error"] = f"{type(e).__name__}: {e}"
     except Exception as e:
         row["error"] = f"{type(e).__name__}: {e}"
         log(f"  {name}: FAILED {row['error']}")
