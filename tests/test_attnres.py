@@ -9,10 +9,18 @@ from moe_book.config import get_config
 from moe_book.layers.attnres import AttnRes, BlockAttnRes, rms_normalize
 from moe_book.model import CausalLM, MIXERS, PlainResidual
 
+# The tiny preset now runs every piece (MoE, Block AttnRes); these tests study the residual alone, so they start
+# from tiny with a dense feed-forward and a plain residual and add only what each test names.
+BASE = ["model.ffn=mlp", "model.first_dense=0", "model.residual=plain"]
+
+
+def tiny_config(overrides=()):
+    return get_config("tiny", BASE + list(overrides))
+
 
 def model_cfg(n_layers=4, d=16, block=2, eps=1e-6, **kw):
     over = [f"model.n_layers={n_layers}", f"model.d_model={d}", f"model.attnres_block={block}", f"model.norm_eps={eps}"]
-    return get_config("tiny", over + [f"model.{k}={v}" for k, v in kw.items()]).model
+    return tiny_config(over + [f"model.{k}={v}" for k, v in kw.items()]).model
 
 
 def drive(res, e, outs):
@@ -115,8 +123,8 @@ def test_one_block_over_whole_depth_is_plain_up_to_half(two_phase):
 def test_one_block_model_equals_plain_model_with_eps_zero():
     over = ["model.d_model=64", "model.n_heads=2", "model.norm_eps=0", "model.vocab_size=512"]
     torch.manual_seed(0)
-    m_plain = CausalLM(get_config("tiny", over).model)
-    m_one = CausalLM(get_config("tiny", over + ["model.residual=block_attnres", "model.attnres_block=4"]).model)
+    m_plain = CausalLM(tiny_config(over).model)
+    m_one = CausalLM(tiny_config(over + ["model.residual=block_attnres", "model.attnres_block=4"]).model)
     missing, unexpected = m_one.load_state_dict(m_plain.state_dict(), strict=False)
     assert not unexpected and missing and all(k.startswith("residual.queries") for k in missing)
     idx = torch.randint(0, 512, (2, 32))
@@ -153,8 +161,8 @@ def test_gradcheck_reads_and_output(kind):
 @pytest.mark.parametrize("residual", ["block_attnres", "attnres"])
 def test_gradients_reach_every_pseudo_query(residual):
     torch.manual_seed(0)
-    model = CausalLM(get_config("tiny", ["model.d_model=64", "model.n_heads=2", "model.vocab_size=512",
-                                         f"model.residual={residual}", "model.attnres_block=1"]).model)
+    model = CausalLM(tiny_config(["model.d_model=64", "model.n_heads=2", "model.vocab_size=512",
+                                  f"model.residual={residual}", "model.attnres_block=1"]).model)
     assert len(model.residual.queries) == 2 * model.cfg.n_layers
     assert all((q == 0).all() for q in model.residual.queries)   # zero init through the init_weights hook
     idx = torch.randint(0, 512, (2, 32))
@@ -172,7 +180,7 @@ def test_gradients_reach_every_pseudo_query(residual):
 
 
 def test_pseudo_queries_are_vectors_so_no_weight_decay():
-    model = CausalLM(get_config("tiny", ["model.residual=block_attnres"]).model)
+    model = CausalLM(tiny_config(["model.residual=block_attnres"]).model)
     assert all(q.dim() == 1 for q in model.residual.queries)     # the trainer decays p.dim() >= 2 only
 
 
@@ -240,8 +248,8 @@ def test_out_of_order_calls_are_a_clear_error():
 
 def test_depth_weights_are_recorded():
     torch.manual_seed(0)
-    model = CausalLM(get_config("tiny", ["model.d_model=32", "model.n_heads=2", "model.vocab_size=256",
-                                         "model.residual=block_attnres", "model.attnres_block=1"]).model)
+    model = CausalLM(tiny_config(["model.d_model=32", "model.n_heads=2", "model.vocab_size=256",
+                                  "model.residual=block_attnres", "model.attnres_block=1"]).model)
     model.residual.record = True
     with torch.no_grad():
         model(torch.randint(0, 256, (2, 16)))
@@ -265,7 +273,7 @@ def test_model_forward_backward_with_every_mixer(mixer, residual):
     if not _mixer_available(mixer):
         pytest.skip(f"mixer {mixer!r} is not exported yet")
     torch.manual_seed(0)
-    cfg = get_config("tiny", [f"model.residual={residual}", f"model.mixer={mixer}", f"model.global_mixer={mixer}"]).model
+    cfg = tiny_config([f"model.residual={residual}", f"model.mixer={mixer}", f"model.global_mixer={mixer}"]).model
     model = CausalLM(cfg)
     idx = torch.randint(0, cfg.vocab_size, (2, 64))
     logits, loss = model(idx, idx)
@@ -278,8 +286,8 @@ def test_model_forward_backward_with_every_mixer(mixer, residual):
 
 def test_block_attnres_under_bf16_autocast_keeps_fp32_stream():
     torch.manual_seed(0)
-    cfg = get_config("tiny", ["model.residual=block_attnres", "model.attnres_block=1", "model.d_model=32",
-                              "model.n_heads=2", "model.vocab_size=256"]).model
+    cfg = tiny_config(["model.residual=block_attnres", "model.attnres_block=1", "model.d_model=32",
+                       "model.n_heads=2", "model.vocab_size=256"]).model
     model = CausalLM(cfg)
     res, seen = model.residual, []
     read = res.read
@@ -313,8 +321,14 @@ def test_fusable_mix_equals_eager_mix():
 @pytest.mark.gpu
 @pytest.mark.parametrize("two_phase", [False, True])
 def test_fused_read_path_matches_eager_on_cuda(two_phase):
+    """The compiled depth mixing (one read at a time, or two-phase) against the eager one, on CUDA. Attention mixers
+    and fp32 keep everything around the residual deterministic and exact up to summation order, so what is compared
+    is the fusion alone: fp32 reductions in another order agree to ~1e-6 relative, and 1e-4 leaves room for the
+    growth through 4 layers and the backward. (Under bf16 autocast the downstream bf16 matmuls round differently
+    for the two paths, ~4e-3 per element, which says nothing about the fusion.)"""
     torch.manual_seed(0)
-    cfg = get_config("tiny", ["model.residual=block_attnres", "model.attnres_block=1"]).model
+    cfg = tiny_config(["model.residual=block_attnres", "model.attnres_block=1", "model.mixer=attn",
+                       "model.global_mixer=attn"]).model
     model = CausalLM(cfg).cuda()
     randomize(model.residual, seed=1, scale=0.5)
     idx = torch.randint(0, cfg.vocab_size, (2, 128), device="cuda")
@@ -323,15 +337,14 @@ def test_fused_read_path_matches_eager_on_cuda(two_phase):
         model.residual.fused = fused
         model.residual.two_phase = two_phase and fused     # reference: eager, one read at a time
         model.zero_grad()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            _, loss = model(idx, idx)
+        _, loss = model(idx, idx)
         loss.backward()
         out[fused] = (loss.detach(), [q.grad.clone() for q in model.residual.queries],
                       [p.grad.clone() for p in model.layers[0].parameters()])
     (l0, q0, p0), (l1, q1, p1) = out[False], out[True]
-    torch.testing.assert_close(l0, l1, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(l0, l1, rtol=1e-5, atol=0)
     for a, b in zip(q0 + p0, q1 + p1):
-        assert ((a - b).norm() / a.norm().clamp_min(1e-12)).item() < 2e-2   # bf16 matmuls around an fp32 mix
+        assert ((a - b).norm() / a.norm().clamp_min(1e-12)).item() < 1e-4
 
 
 @pytest.mark.parametrize("S", [1, 2, 3, 4, 8])
@@ -355,8 +368,8 @@ def test_two_phase_equals_one_read_at_a_time(S):
 
 def test_two_phase_in_the_model_matches_and_trains():
     torch.manual_seed(0)
-    cfg = get_config("tiny", ["model.d_model=32", "model.n_heads=2", "model.vocab_size=256", "model.mixer=attn",
-                              "model.global_mixer=attn", "model.residual=block_attnres", "model.attnres_block=1"]).model
+    cfg = tiny_config(["model.d_model=32", "model.n_heads=2", "model.vocab_size=256", "model.mixer=attn",
+                       "model.global_mixer=attn", "model.residual=block_attnres", "model.attnres_block=1"]).model
     model = CausalLM(cfg)
     randomize(model.residual, seed=4, scale=0.3)
     idx = torch.randint(0, 256, (2, 16))

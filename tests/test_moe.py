@@ -10,13 +10,21 @@ from moe_book.layers.moe import (BALANCERS, GroupedExperts, LatentMoE, MaxVioAle
                                  expert_counts, grouped_mm_works, load_stats, make_balancer, maxvio_summary,
                                  moe_panel, quantile_bias, situ_glu, swiglu, worst_maxvio)
 
+# The tiny preset now runs every piece; these tests start from tiny with a plain residual, MoE in every layer and
+# no latent projection, and add only what each test names.
+BASE = ["model.first_dense=0", "model.residual=plain", "model.moe.latent_dim=0"]
+
+
+def tiny_config(overrides=()):
+    return get_config("tiny", BASE + list(overrides))
+
 
 def rms_rel(a, b):
     return ((a - b).double().pow(2).mean().sqrt() / b.double().pow(2).mean().sqrt().clamp_min(1e-30)).item()
 
 
 def moe_model_cfg(**moe):
-    cfg = get_config("tiny", ["model.ffn=moe"]).model
+    cfg = tiny_config(["model.ffn=moe"]).model
     for k, v in moe.items():
         setattr(cfg.moe, k, v)
     return cfg
@@ -283,7 +291,7 @@ def test_aux_loss_only_in_training_and_only_for_aux_balancer():
 def test_model_integration_metrics_and_checkpoint_state():
     "CausalLM with ffn=moe: aux loss reaches the loss, post_step moves biases, step_metrics has every layer."
     from moe_book.model import CausalLM
-    cfg = get_config("tiny", ["model.ffn=moe", "model.moe.balancer=quantile", "model.n_layers=2"]).model
+    cfg = tiny_config(["model.ffn=moe", "model.moe.balancer=quantile", "model.n_layers=2"]).model
     model = CausalLM(cfg).train()
     idx = torch.randint(0, cfg.vocab_size, (2, 64))
     _, loss = model(idx, idx)
@@ -298,7 +306,7 @@ def test_model_integration_metrics_and_checkpoint_state():
     assert any(k.endswith("router.bias") for k in sd) and any(k.endswith("balancer.window") for k in sd)
     assert not any(k.endswith("router.bias") for k, _ in model.named_parameters())
     # the aux_loss balancer's term is part of the model loss
-    cfg_aux = get_config("tiny", ["model.ffn=moe", "model.moe.balancer=aux_loss", "model.n_layers=2"]).model
+    cfg_aux = tiny_config(["model.ffn=moe", "model.moe.balancer=aux_loss", "model.n_layers=2"]).model
     torch.manual_seed(0)
     m_aux = CausalLM(cfg_aux).train()
     _, l_aux = m_aux(idx, idx)
@@ -312,9 +320,9 @@ def test_model_integration_metrics_and_checkpoint_state():
 # ------------------------------------------------------------------------------------------------------ errors
 def test_config_errors_are_clear():
     with pytest.raises(ConfigError, match="top_k"):
-        get_config("tiny", ["model.ffn=moe", "model.moe.top_k=9"])
+        tiny_config(["model.ffn=moe", "model.moe.top_k=9"])
     with pytest.raises(ConfigError, match="latent_dim"):
-        get_config("tiny", ["model.ffn=moe", "model.moe.latent_dim=256"])
+        tiny_config(["model.ffn=moe", "model.moe.latent_dim=256"])
     # the module repeats the checks for configs built by hand (no validate())
     for field, value, match in [("top_k", 9, "top_k"), ("latent_dim", 256, "latent_dim"),
                                 ("balancer", "quantiles", "balancer.*choose one of"), ("act", "gelu", "act")]:
@@ -357,7 +365,8 @@ def test_bench_balance_toy(tmp_path):
     out = tmp_path / "balance.json"
     r = main(["--preset", "tiny", "--tokens", "128", "--balancers", "none,quantile", "--out", str(out),
               "--runs-dir", str(tmp_path / "runs"), "--quiet",
-              "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.head_dim=16", "model.moe.d_expert=16",
+              "model.d_model=32", "model.n_layers=1", "model.first_dense=0", "model.moe.latent_dim=0",
+              "model.n_heads=2", "model.head_dim=16", "model.moe.d_expert=16",
               "train.batch_size=2", "train.seq_len=32", "train.eval_batches=1", "train.warmup_steps=1"])
     s = json.loads(out.read_text())["summary"]
     assert set(s) == {"none", "quantile"}
@@ -393,7 +402,7 @@ def test_gpu_grouped_mm_bf16_matches_loop():
 @pytest.mark.gpu
 def test_gpu_layer_trains_under_autocast():
     from moe_book.model import CausalLM
-    cfg = get_config("tiny", ["model.ffn=moe", "model.moe.latent_dim=64"]).model
+    cfg = tiny_config(["model.ffn=moe", "model.moe.latent_dim=64"]).model
     model = CausalLM(cfg).cuda().train()
     idx = torch.randint(0, cfg.vocab_size, (4, 128), device="cuda")
     with torch.autocast("cuda", dtype=torch.bfloat16):
