@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['PRESETS', 'MIXER_TYPES', 'FFN_TYPES', 'RESIDUAL_TYPES', 'BALANCER_TYPES', 'ConfigError', 'KDAConfig', 'MLAConfig',
            'MoEConfig', 'ModelConfig', 'DataConfig', 'TrainConfig', 'Config', 'book_root', 'tiny', 'small',
-           'apply_overrides', 'validate', 'get_config', 'total_steps']
+           'apply_overrides', 'validate', 'get_config', 'flat_items', 'config_from_dict', 'total_steps']
 
 # %% ../chapters/00_foundations.ipynb #e513b19e
 import dataclasses
@@ -114,6 +114,8 @@ class TrainConfig:
     seq_len: int = 256
     tokens: int = 0               # token budget; 0 means use `steps`
     steps: int = 300
+    max_minutes: float = 0.0      # wall-clock cap (0: none): past it the run ends at its next step with an
+                                  # evaluation, a checkpoint and its summary, as if interrupted; --resume goes on
     lr: float = 3e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 30
@@ -173,7 +175,9 @@ def small() -> Config:
     """The reference GPU preset (one H200), the complete system; the peer is HF KimiLinear at the same shape:
     16 layers (12 KDA + every 4th a Gated MLA), Block AttnRes over blocks of 4 layers, layer 0 a dense SwiGLU of
     2816, the others Latent MoE (128 experts top-8 of width 256 in a 512-wide latent, 1 shared, SiTU-GLU, Quantile
-    Balancing)."""
+    Balancing). The default budget, 16M tokens (488 steps of 8 x 4096), is about 5 minutes of steps at the 53K
+    tokens/s measured on one H200 (results/train_small_gpu.json); compilation, evaluations and preparing the 400 MB
+    corpus add about 3 more (estimated from that run, which prepared 150 MB)."""
     model = ModelConfig(
         vocab_size=32768, d_model=1024, n_layers=16, max_seq_len=4096, mixer="kda", global_mixer="mla",
         n_heads=8, head_dim=128, d_ff=2816, d_ff_dense=2816, global_every=4,
@@ -184,7 +188,7 @@ def small() -> Config:
                       balancer="quantile"),
     )
     data = DataConfig(name="small", max_corpus_mb=400.0, tokenizer_sample_mb=64.0)
-    train = TrainConfig(batch_size=8, seq_len=4096, steps=0, tokens=30_000_000, lr=1.5e-3, warmup_steps=50,
+    train = TrainConfig(batch_size=8, seq_len=4096, steps=0, tokens=16_000_000, lr=1.5e-3, warmup_steps=50,
                         eval_every=100, eval_batches=4, log_every=5, ckpt_every=200, out_dir="runs/small")
     return Config(preset="small", model=model, data=data, train=train)
 
@@ -296,6 +300,7 @@ def validate(cfg: Config) -> Config:
     _check(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len")
     _check(t.tokens >= 0 and t.steps >= 0 and (t.tokens > 0 or t.steps > 0),
            "train.tokens and train.steps are both 0: give a token budget (train.tokens=...) or a step count (train.steps=...)")
+    _check(t.max_minutes >= 0, f"train.max_minutes={t.max_minutes}: must be >= 0 (0: no wall-clock cap)")
     _check(t.lr > 0 and 0 <= t.min_lr_ratio <= 1, f"train.lr={t.lr}, train.min_lr_ratio={t.min_lr_ratio}: need lr > 0 and 0 <= min_lr_ratio <= 1")
     _check(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: choose auto, cpu or cuda")
     _check(t.live in ("auto", "on", "off"), f"train.live={t.live!r}: choose auto, on or off")
@@ -320,6 +325,21 @@ def get_config(preset: str = "tiny", overrides=()) -> Config:
     if preset not in PRESETS:
         raise ConfigError(f"unknown preset {preset!r}: choose one of {sorted(PRESETS)}")
     return apply_overrides(PRESETS[preset](), list(overrides))
+
+
+def flat_items(d: dict, prefix: str = ""):
+    "(dotted key, value) for every leaf of a nested dict such as `dataclasses.asdict(cfg)`."
+    for k, v in d.items():
+        if isinstance(v, dict):
+            yield from flat_items(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
+
+
+def config_from_dict(d: dict) -> Config:
+    """A Config from `dataclasses.asdict(cfg)` (a run's or an export's config.json): the preset, then every saved
+    leaf as an override, so it is validated like one typed on the command line."""
+    return get_config(d.get("preset", "tiny"), [f"{k}={v}" for k, v in flat_items(d) if k != "preset"])
 
 # %% ../chapters/00_foundations.ipynb #249a5a5a
 def total_steps(cfg: Config) -> int:

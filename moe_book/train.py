@@ -2,7 +2,7 @@
 
 # %% auto #0
 __all__ = ['pick_device', 'lr_lambda', 'make_optimizer', 'Checkpointer', 'train_state', 'restore_state', 'TrainingDiverged',
-           'Guard', 'Monitor', 'evaluate', 'train', 'plot_run', 'main']
+           'Guard', 'Monitor', 'evaluate', 'train', 'plot_run', 'plot_loads', 'main']
 
 # %% ../chapters/00_foundations.ipynb #9f79f7be
 import dataclasses
@@ -315,6 +315,7 @@ def train(cfg: Config, resume: bool = False, verbose: bool = True, stop_after: i
     """Train `cfg` to its budget and return the run summary (also written to <out_dir>/summary.json).
     With resume=True, continue from the newest complete checkpoint in <out_dir>/ckpt, if any.
     stop_after=k checkpoints and stops after step k, as an interruption would; the schedule still spans the budget.
+    train.max_minutes does the same at the first step past that wall-clock time.
     A bad step (see Guard) restores the last good state, skips its batch and goes on; once train.max_rollbacks
     rollbacks are used up, the next bad step raises TrainingDiverged."""
     t = cfg.train
@@ -361,6 +362,8 @@ def train(cfg: Config, resume: bool = False, verbose: bool = True, stop_after: i
     pending = []   # (step, batch, loss, grad norm) kept on the device until the next log step: no sync every step
     heldout = None
     t0, t_last, step_last = time.time(), time.time(), start
+    deadline = t0 + 60 * t.max_minutes if t.max_minutes > 0 else None
+    out_of_time = False
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     step = start
@@ -381,8 +384,9 @@ def train(cfg: Config, resume: bool = False, verbose: bool = True, stop_after: i
             model.post_step()
             step += 1
             pending.append((step, batch, loss.detach(), grad_norm.detach()))
-            is_eval = step % t.eval_every == 0 or step == steps
-            is_ckpt = (t.ckpt_every > 0 and step % t.ckpt_every == 0) or step == steps or step == stop_after
+            out_of_time = deadline is not None and time.time() > deadline
+            is_eval = step % t.eval_every == 0 or step == steps or out_of_time
+            is_ckpt = (t.ckpt_every > 0 and step % t.ckpt_every == 0) or step == steps or step == stop_after or out_of_time
             if not (step % t.log_every == 0 or is_eval or is_ckpt):
                 continue
 
@@ -454,7 +458,7 @@ def train(cfg: Config, resume: bool = False, verbose: bool = True, stop_after: i
                 good_step, good = step, _cpu_copy(train_state(model, opt, sched, step, cfg, guard))
                 ckpt.save(good, step)
             t_last, step_last = time.time(), step     # evaluation and checkpoint time is not training time
-            if step == stop_after:
+            if step == stop_after or out_of_time:
                 break
     finally:
         mon.close()
@@ -465,7 +469,8 @@ def train(cfg: Config, resume: bool = False, verbose: bool = True, stop_after: i
     maxvio_final = _maxvio_by_layer(final)
     summary = {"preset": cfg.preset, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": step,
-               "tokens": step * tokens_per_step, "params": model.num_params(), "active_params": flops["active_params"],
+               "tokens": step * tokens_per_step, "budget_steps": steps,
+               "stopped_by_time_limit": out_of_time and step < steps, "params": model.num_params(), "active_params": flops["active_params"],
                "train_loss": final.get("loss"), "train_loss_last20": sum(recent) / len(recent) if recent else None,
                "heldout_loss": heldout, "unigram_entropy_nats": manifest.get("unigram_entropy_nats"),
                "tokens_per_s": tok_s, "wall_tokens_per_s": (step - start) * tokens_per_step / max(time.time() - t0, 1e-9),
@@ -501,6 +506,45 @@ def plot_run(run_dir, path=None, title=None):
         plt.close(fig)
     return fig
 
+
+def plot_loads(history, path=None, title=None):
+    """Expert loads over training, one heatmap per MoE layer (experts x logged steps), each cell the expert's load
+    over the layer's mean load (1 = its fair share), from the history rows' `moe/L<i>/load` vectors. None when the
+    history has no load vectors (a model without MoE layers)."""
+    import matplotlib
+    if path:
+        matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [r for r in history if any(k.endswith("/load") for k in r)]
+    layers = sorted({int(k[5:-5]) for r in rows for k in r if k.startswith("moe/L") and k.endswith("/load")})
+    if not layers:
+        return None
+    cols = min(4, len(layers))
+    n_rows = -(-len(layers) // cols)
+    fig, axes = plt.subplots(n_rows, cols, figsize=(3 * cols + 1, 2.2 * n_rows + 0.6), squeeze=False,
+                             sharex=True, sharey=True, layout="constrained")
+    for ax in axes.flat[len(layers):]:
+        ax.axis("off")
+    for n, (ax, layer) in enumerate(zip(axes.flat, layers)):
+        have = [r for r in rows if f"moe/L{layer}/load" in r]
+        loads = np.array([r[f"moe/L{layer}/load"] for r in have], dtype=np.float64).T     # experts x steps
+        rel = loads / np.maximum(loads.mean(axis=0, keepdims=True), 1e-12)
+        im = ax.imshow(rel, aspect="auto", cmap="magma", vmin=0, vmax=2, interpolation="nearest",
+                       extent=(have[0]["step"], have[-1]["step"], loads.shape[0], 0))
+        ax.set_title(f"layer {layer}", fontsize=9)
+        ax.tick_params(labelsize=7)
+        if n % cols == 0:
+            ax.set_ylabel("expert", fontsize=8)
+        if n + cols >= len(layers):      # the lowest panel of its column
+            ax.set_xlabel("step", fontsize=8)
+            ax.xaxis.set_tick_params(labelbottom=True)
+    fig.colorbar(im, ax=axes, shrink=0.8, label="load / mean load")
+    fig.suptitle(title or "expert loads", fontsize=10)
+    if path:
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+    return fig
+
 # %% ../chapters/00_foundations.ipynb #51c73a38
 def main(argv=None):
     import argparse
@@ -508,7 +552,8 @@ def main(argv=None):
     p.add_argument("--preset", default="auto", help="tiny, small, or auto (small on a GPU, tiny on CPU)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in train.out_dir")
     p.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
-    p.add_argument("--summary", metavar="PATH", help="also write the run summary (JSON) here, e.g. results/train_small_gpu.json")
+    p.add_argument("--summary", metavar="PATH", help="also write the run summary (JSON) and its figures (loss curves, "
+                   "expert loads) here; default on a GPU: results/train_<preset>_gpu.json, elsewhere none")
     p.add_argument("overrides", nargs="*", help="key=value config overrides, e.g. train.lr=1e-3 model.d_model=256")
     a = p.parse_args(argv)
     preset = a.preset
@@ -517,6 +562,7 @@ def main(argv=None):
         why = f"CUDA device {torch.cuda.get_device_name()} found" if torch.cuda.is_available() else "no CUDA device found"
         print(f"train: preset '{preset}' ({why}; pass PRESET=tiny|small to choose)")
     cfg = get_config(preset, a.overrides)
+    summary_path = a.summary or (f"results/train_{preset}_gpu.json" if pick_device(cfg).type == "cuda" else None)
     if a.show_config:
         print(json.dumps(dataclasses.asdict(cfg), indent=1))
         return
@@ -528,13 +574,19 @@ def main(argv=None):
     mfu_text = f", MFU {s['mfu']:.1%}" if s["mfu"] is not None else ""
     print(f"train: done. train loss {s['train_loss']:.4f}, held-out loss {s['heldout_loss']:.4f} "
           f"(unigram baseline {s['unigram_entropy_nats']:.4f}), {s['tokens_per_s']:,.0f} tokens/s{mfu_text}")
-    if a.summary:
-        out = Path(a.summary)
+    if summary_path:
+        out = Path(summary_path)
         out.parent.mkdir(parents=True, exist_ok=True)
         s = {**s, "command": " ".join(["python -m moe_book.train", *(argv if argv is not None else sys.argv[1:])]),
              "history": _thin_loads(s["history"])}
         out.write_text(json.dumps(s, indent=1))
-        print(f"train: summary written to {out}")
+        title = f"{preset} · {s['device']} · {s['tokens']:,} tokens"
+        figures = [out.with_suffix(".png")]
+        plot_run(cfg.train.out_dir, figures[0], title)
+        loads_png = out.with_name(out.stem + "_loads.png")
+        if plot_loads(s["history"], loads_png, f"expert loads · {title}") is not None:
+            figures.append(loads_png)
+        print(f"train: summary written to {out}; figures {', '.join(map(str, figures))}")
 
 # %% ../chapters/00_foundations.ipynb #d7d4f21b
 if __name__ == "__main__" and "__file__" in globals():  # a script, not this cell in the notebook

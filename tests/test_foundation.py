@@ -88,6 +88,7 @@ def test_corrupt_truncated_and_mismatched_data_give_one_clear_error(tiny_data, t
     ("model.moe.balancer=quantil", r"model.moe.balancer='quantil': choose one of \(.*'quantile'"),
     ("train.ckpt_every=-1", "train.ckpt_every=-1: must be >= 0"),
     ("train.spike_zscore=-1", "train.spike_zscore=-1.0: must be >= 0"),
+    ("train.max_minutes=-5", "train.max_minutes=-5.0: must be >= 0"),
     ("train.seq_len=100000", "exceeds model.max_seq_len"),
     ("lr", "not key=value"),
 ])
@@ -409,8 +410,22 @@ def test_cli_summary_and_final_only_checkpoint(tiny_data, tmp_path, capsys):
     assert s["flops_per_token"] > 6 * s["active_params"] > 0
     assert set(s["maxvio_final"]) == {"L1"} and s["maxvio_worst_final"] == s["maxvio_final"]["L1"] >= 0
     assert s["command"].startswith("python -m moe_book.train --preset tiny --summary")
-    assert s["rollbacks"] == [] and s["skipped_batches"] == []
+    assert s["rollbacks"] == [] and s["skipped_batches"] == [] and s["stopped_by_time_limit"] is False
     assert [p.name for p in Checkpointer(out).complete()] == ["step_00000012"], "train.ckpt_every=0: final only"
+    # the loss curves and the expert-load heatmap of the one MoE layer, beside the summary
+    assert path.with_suffix(".png").stat().st_size > 0 and (path.parent / "summary_loads.png").stat().st_size > 0
+
+
+def test_time_limit_ends_the_run_with_a_checkpoint_and_resume_finishes_it(tiny_data, tmp_path):
+    from moe_book.train import Checkpointer, train
+    cfg, _ = tiny_data
+    over = [*FULL_FAST, *_data(cfg), f"train.out_dir={tmp_path / 'run'}", "train.ckpt_every=0", "train.live=off"]
+    # a cap already passed after the first step: the run stops there as if interrupted
+    s = train(get_config("tiny", over + ["train.max_minutes=1e-9"]), verbose=False)
+    assert s["stopped_by_time_limit"] is True and s["steps"] == 1 < s["budget_steps"] == 12
+    assert s["heldout_loss"] is not None and [p.name for p in Checkpointer(tmp_path / "run").complete()] == ["step_00000001"]
+    done = train(get_config("tiny", over), resume=True, verbose=False)
+    assert done["resumed_from"] == 1 and done["steps"] == 12 and done["stopped_by_time_limit"] is False
 
 
 def test_live_panel_shows_mfu_and_worst_layer_maxvio(tmp_path):
