@@ -155,20 +155,12 @@ def generate(model, prompts, max_new_tokens: int = 32, temperature: float = 1.0,
                       cache_bytes=cache_nbytes(caches) if use_cache else 0)
 
 
-def _flat(d: dict, prefix: str = ""):
-    for k, v in d.items():
-        if isinstance(v, dict):
-            yield from _flat(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
-
-
 def load_run(path, device="cpu"):
     """(model, cfg) from a trainer run directory (or one of its checkpoint folders): the run's config.json, then
     the model weights of the newest complete checkpoint."""
     import json
     from pathlib import Path
-    from moe_book.config import get_config
+    from moe_book.config import config_from_dict
     from moe_book.model import CausalLM
     from moe_book.train import Checkpointer
     path = Path(path)
@@ -177,7 +169,7 @@ def load_run(path, device="cpu"):
         raise FileNotFoundError(f"{run / 'config.json'} not found: pass a run directory written by moe_book.train "
                                 f"(train.out_dir) or one of its ckpt/step_* folders")
     saved = json.loads((run / "config.json").read_text())
-    cfg = get_config(saved["preset"], [f"{k}={v}" for k, v in _flat(saved) if k != "preset"])
+    cfg = config_from_dict(saved)
     model = CausalLM(cfg.model)
     state = {"model": model.state_dict()}
     Checkpointer(run).load(state, ckpt)
