@@ -469,8 +469,8 @@ def train(cfg: Config, resume: bool = False, verbose: bool = True, stop_after: i
     maxvio_final = _maxvio_by_layer(final)
     summary = {"preset": cfg.preset, "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "steps": step,
-               "tokens": step * tokens_per_step, "budget_steps": steps,
-               "stopped_by_time_limit": out_of_time and step < steps, "params": model.num_params(), "active_params": flops["active_params"],
+               "tokens": step * tokens_per_step, "budget_steps": steps, "stopped_by_time_limit": out_of_time and step < steps,
+               "params": model.num_params(), "active_params": flops["active_params"],
                "train_loss": final.get("loss"), "train_loss_last20": sum(recent) / len(recent) if recent else None,
                "heldout_loss": heldout, "unigram_entropy_nats": manifest.get("unigram_entropy_nats"),
                "tokens_per_s": tok_s, "wall_tokens_per_s": (step - start) * tokens_per_step / max(time.time() - t0, 1e-9),

@@ -107,7 +107,6 @@ def step_at(model, opt, T: int, ckpt: bool, device, vocab: int, seed: int = 0) -
     return row
 
 
-
 def saved_bytes_per_token(model, idx, targets, ckpt: bool) -> float:
     """Bytes that autograd keeps for the backward of model(idx, targets) (with `checkpointed` and the chunked loss
     when ckpt), per token: every saved tensor's storage counted once, parameters left out. A count, not a memory
@@ -126,6 +125,7 @@ def saved_bytes_per_token(model, idx, targets, ckpt: bool) -> float:
             model(idx, targets)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     return sum(n for ptr, n in sizes.items() if ptr not in params) / idx.numel()
+
 
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower()
