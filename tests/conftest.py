@@ -3,6 +3,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# On a machine without CUDA, Triton kernels can only run in Triton's interpreter, and the switch is read when a
+# kernel is defined: set it before any test module imports triton (torch.compile's machinery imports it too).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ROOT = Path(__file__).resolve().parent.parent
 torch_threads = int(os.environ.get("MOE_BOOK_TEST_THREADS", "2"))

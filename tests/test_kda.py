@@ -240,3 +240,23 @@ def test_layer_decode_on_cuda():
         cache = layer.new_cache(2, 70, "cuda", torch.float32)
         y_steps = torch.cat([layer(x[:, :50], cache)] + [layer(x[:, t:t + 1], cache) for t in range(50, 70)], 1)
     assert rms_rel(y_steps, y) < 1e-4                                  # TF32 / kernel choice may differ per shape
+
+
+def test_prepare_matches_conv1d_reference():
+    "kda_prepare spells the causal depthwise convolution out as shifted products: it must equal F.conv1d."
+    from moe_book.layers.kda import kda_prepare
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    B, T, H, K, W = 2, 37, 2, 8, 4
+    q, k, v = (torch.randn(B, T, H * K, dtype=torch.float64) for _ in range(3))
+    past = torch.randn(B, W - 1, 3 * H * K, dtype=torch.float64)
+    conv_w = torch.randn(3 * H * K, 1, W, dtype=torch.float64)
+    gl, gb, bl = torch.randn(B, T, H * K, dtype=torch.float64), torch.randn(H * K, dtype=torch.float64), torch.randn(B, T, H, dtype=torch.float64)
+    qo, ko, vo, g, beta = kda_prepare(past, q, k, v, conv_w, gl, gb, bl, -5.0, None, H)
+    seq = torch.cat([past, torch.cat([q, k, v], -1)], 1)
+    ref = F.silu(F.conv1d(seq.transpose(1, 2), conv_w, groups=3 * H * K).transpose(1, 2)).view(B, T, 3, H, K)
+    torch.testing.assert_close(vo.view(B, T, H, K), ref[:, :, 2], rtol=0, atol=1e-12)
+    torch.testing.assert_close(qo.view(B, T, H, K), F.normalize(ref[:, :, 0], dim=-1, eps=1e-6), rtol=0, atol=1e-12)
+    torch.testing.assert_close(ko.view(B, T, H, K), F.normalize(ref[:, :, 1], dim=-1, eps=1e-6), rtol=0, atol=1e-12)
+    torch.testing.assert_close(g, -5.0 * torch.sigmoid(gl.view(B, T, H, K) + gb.view(H, K)), rtol=0, atol=1e-12)
+    torch.testing.assert_close(beta, torch.sigmoid(bl), rtol=0, atol=1e-12)

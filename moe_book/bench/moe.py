@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from moe_book.config import ModelConfig, MoEConfig
-from moe_book.layers.moe import GroupedExperts, LatentMoE, QuantileBalancer, expert_counts, quantile_bias, _grouped_mm_op, _FUSED_ACTS
+from moe_book.layers.moe import GroupedExperts, LatentMoE, QuantileBalancer, expert_counts, quantile_bias, _grouped_mm_op
+from moe_book.layers.base import _FUSED
 
 SHAPES = {"tokens": 32768, "d_model": 1024, "latent": 512, "experts": 128, "top_k": 8, "hidden": 256, "shared": 1}
 TOY = {"tokens": 256, "d_model": 64, "latent": 32, "experts": 8, "top_k": 2, "hidden": 16, "shared": 1}
@@ -207,7 +208,7 @@ def main(argv=None):
               "transformers": tf_version, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "dtype": str(dtype),
               "shapes": s, "act": a.act, "balanced_loads": counts.tolist(), "rows": rows, "summary": summary,
               "hf": {"note": hf_note, "rms_rel_vs_ours": hf_err, "profiler_saw_grouped_mm": hf_grouped},
-              "fused_activation": {n: ("eager (compile failed)" if f is False else "torch.compile") for n, f in _FUSED_ACTS.items()}}
+              "fused_activation": {f.__name__: ("eager (compile failed)" if c is False else "torch.compile") for f, c in _FUSED.items()}}
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(f"bench moe: wrote {out}: {json.dumps(summary)}", flush=True)

@@ -1,0 +1,69 @@
+"""Chapter 05's Triton top-k (moe_book.kernels.moe_topk) against torch.topk, and the quantile sweep's one-selection
+boundary against the two-selection definition. CPU: the kernel runs in Triton's interpreter (set below, before
+triton is imported); with CUDA the same tests run on the GPU."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from moe_book.kernels.moe_topk import topk_rows  # noqa: E402
+from moe_book.layers.moe import quantile_sweep  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.mark.parametrize("N,n,k", [(1, 8, 1), (70, 128, 9), (33, 100, 8), (5, 7, 7), (0, 16, 2)])
+def test_topk_rows_equals_torch_topk(N, n, k):
+    x = torch.rand(N, n, generator=torch.Generator().manual_seed(N * n + k)).to(DEV)
+    v, i = topk_rows(x, k)
+    ref = torch.topk(x, k, dim=-1)
+    assert torch.equal(v, ref.values) and torch.equal(i, ref.indices)   # continuous values: no ties
+
+
+def test_topk_rows_ties_go_to_the_lower_index_and_strides_and_dtypes_work():
+    x = torch.tensor([[0.5, 0.9, 0.9, 0.1, 0.9]], device=DEV)
+    v, i = topk_rows(x, 3)
+    assert i.tolist() == [[1, 2, 4]] and torch.equal(v, x[:, [1, 1, 1]])
+    big = torch.rand(6, 40, generator=torch.Generator().manual_seed(1)).to(DEV)
+    view = big.to(torch.float16)[:, ::2]                              # a strided, half-precision view
+    assert not view.is_contiguous()
+    v, i = topk_rows(view, 4)
+    ref = torch.topk(view, 4, dim=-1)
+    assert v.dtype == torch.float16 and torch.equal(v, ref.values) and torch.equal(i, ref.indices)
+
+
+def test_topk_rows_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="0 < k <= n"):
+        topk_rows(torch.rand(4, 8, device=DEV), 9)
+    with pytest.raises(ValueError, match=r"\(N, n\)"):
+        topk_rows(torch.rand(2, 4, 8, device=DEV), 2)
+
+
+def _sweep_two_selections(scores, bias, top_k):
+    "The sweep as first written: both boundary margins by kthvalue."
+    N, n = scores.shape
+    biased = scores + bias
+    top = torch.topk(biased, top_k + 1, dim=-1)
+    kth, next_ = top.values[:, top_k - 1:top_k], top.values[:, top_k:top_k + 1]
+    picked = torch.zeros_like(biased, dtype=torch.bool).scatter_(1, top.indices[:, :top_k], True)
+    margin = (scores - torch.where(picked, next_, kth)).T
+    share = min(max(round(N * top_k / n), 1), N - 1)
+    lo = torch.kthvalue(margin, N - share, dim=-1).values
+    hi = torch.kthvalue(margin, N - share + 1, dim=-1).values
+    t = -(lo + hi) / 2
+    return t - t.mean()
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_sweep_boundary_equals_two_kthvalues(ties):
+    gen = torch.Generator().manual_seed(0)
+    scores = torch.rand(512, 16, generator=gen)
+    if ties:                                      # many identical tokens: margins tied across the boundary
+        scores[:200] = scores[0]
+        scores = (scores * 8).round() / 8
+    bias = 0.1 * torch.randn(16, generator=gen)
+    torch.testing.assert_close(quantile_sweep(scores.to(DEV), bias.to(DEV), 3).cpu(), _sweep_two_selections(scores, bias, 3),
+                               rtol=0, atol=1e-7)
