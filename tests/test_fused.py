@@ -67,3 +67,38 @@ def test_fused_equals_eager_on_cuda(name):
         outs.append((y, grads))
     for a, b in zip(outs[0][0] + outs[0][1], outs[1][0] + outs[1][1]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+class _LooksCuda(torch.Tensor):
+    "A CPU tensor that says it is on CUDA, so `fused` takes its compile path (with torch.compile stubbed out)."
+    @property
+    def is_cuda(self):
+        return True
+
+
+def test_fused_falls_back_to_eager_once_when_compiling_fails_but_not_on_oom(monkeypatch):
+    def broken(fn, **kw):
+        def run(*a, **k):
+            raise RuntimeError("inductor: no C compiler")
+        return run
+    monkeypatch.setattr(torch, "compile", broken)
+
+    @fused
+    def double(x):
+        return x * 2
+    x = torch.ones(3).as_subclass(_LooksCuda)
+    with pytest.warns(UserWarning, match="torch.compile of double failed.*no C compiler"):
+        assert torch.equal(double(x).as_subclass(torch.Tensor), torch.full((3,), 2.0))
+    assert torch.equal(double(x).as_subclass(torch.Tensor), torch.full((3,), 2.0))   # eager from now on, no warning
+
+    def out_of_memory(fn, **kw):
+        def run(*a, **k):
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        return run
+    monkeypatch.setattr(torch, "compile", out_of_memory)
+
+    @fused
+    def triple(x):
+        return x * 3
+    with pytest.raises(torch.OutOfMemoryError):
+        triple(x)

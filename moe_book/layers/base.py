@@ -24,6 +24,8 @@ def fused(fn):
                 if fn not in _FUSED:
                     _FUSED[fn] = torch.compile(fn, dynamic=None)
                 return _FUSED[fn](*args, **kw)
+            except torch.OutOfMemoryError:   # not a compiler problem: eager would not fit either
+                raise
             except Exception as e:   # a broken inductor toolchain must not stop training
                 warnings.warn(f"torch.compile of {fn.__name__} failed ({type(e).__name__}: {e}); running it eagerly")
                 _FUSED[fn] = False
