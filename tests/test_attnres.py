@@ -318,6 +318,18 @@ def test_fusable_mix_equals_eager_mix():
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
+def test_fusable_open_mixes_equal_eager_open_mixes():
+    "block_open_mixes_fusable (the unrolled sum torch.compile fuses on the GPU) is the same math as the batched matmul."
+    from moe_book.layers.attnres import block_open_mixes, block_open_mixes_fusable
+    g = torch.Generator().manual_seed(0)
+    for n in (1, 2, 5):
+        logits = torch.randn(2, 5, n, 4, generator=g, dtype=torch.float64)
+        blocks = torch.randn(2, 5, n, 8, generator=g, dtype=torch.float64)
+        for a, b in zip(block_open_mixes(logits, blocks), block_open_mixes_fusable(logits, blocks)):
+            assert a.shape == b.shape
+            torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("two_phase", [False, True])
 def test_fused_read_path_matches_eager_on_cuda(two_phase):

@@ -5,7 +5,7 @@ import torch
 
 from moe_book.layers.base import RMSNorm, fused, out_dtype, rms_norm
 from moe_book.layers.kda import kda_output, kda_prepare
-from moe_book.layers.moe import ACTIVATIONS, expert_activation
+from moe_book.layers.moe import ACTIVATIONS, expert_activation, weighted_slot_sum
 from moe_book.model import lm_loss
 
 
@@ -43,22 +43,27 @@ def _inputs_for(name, dev, gen):
         return (r(B, T, H, K), r(B, T, H * K), r(K), 1e-6, torch.float32)
     if name == "lm_loss":
         return (r(B, T, 300), torch.randint(0, 300, (B, T), generator=gen).to(dev))
+    if name == "weighted_slot_sum":
+        return (r(B * T, 8, 64), r(B * T, 8))
     return (r(B * T, 32), r(B * T, 32))          # an expert activation
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("name", ["rms_norm", "kda_prepare", "kda_output", "lm_loss", "situ", "swiglu"])
+@pytest.mark.parametrize("name", ["rms_norm", "kda_prepare", "kda_output", "lm_loss", "weighted_slot_sum", "situ",
+                                  "swiglu"])
 def test_fused_equals_eager_on_cuda(name):
     """fp32 on both sides: the compiled kernels only reorder fp32 sums (rows of <= 300 terms), so values and gradients
     agree to a few ulps of fp32 times the row length: rtol 1e-5, atol 1e-5."""
-    fn = {"rms_norm": rms_norm, "kda_prepare": kda_prepare, "kda_output": kda_output, "lm_loss": lm_loss}.get(name)
+    named = {"rms_norm": rms_norm, "kda_prepare": kda_prepare, "kda_output": kda_output, "lm_loss": lm_loss,
+             "weighted_slot_sum": weighted_slot_sum}
+    fn = named.get(name)
     if fn is None:
         fn = lambda g, u: expert_activation(name, g, u)
         fn.eager = ACTIVATIONS[name]
     outs = []
     for f in (fn, fn.eager):
-        args = _inputs_for(name if name in ("rms_norm", "kda_prepare", "kda_output", "lm_loss") else "act",
+        args = _inputs_for(name if name in named else "act",
                            torch.device("cuda"), torch.Generator().manual_seed(0))
         y = f(*args)
         y = y if isinstance(y, tuple) else (y,)

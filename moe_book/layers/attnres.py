@@ -152,9 +152,15 @@ def block_open_mixes(logits, blocks):
 
 
 def block_open_mixes_fusable(logits, blocks):
-    "block_open_mixes as a broadcast reduction over n, which torch.compile turns into one kernel (never run eagerly)."
+    """block_open_mixes as a sum unrolled over the n (<= #blocks, known when tracing) completed blocks: one pointwise
+    kernel under torch.compile that reads each block once and writes U once. (Written as a reduction over n,
+    inductor made it a reduction kernel over (B, T, q, d) that ran at ~0.4 TB/s: 3.4 ms a block on the H200.)"""
     a = logits.softmax(-2)
-    return (a.unsqueeze(-1) * blocks.to(logits.dtype).unsqueeze(-2)).sum(-3), logits.logsumexp(-2)
+    v = blocks.to(logits.dtype)
+    U = a[..., 0, :, None] * v[..., 0, None, :]
+    for i in range(1, v.shape[-2]):
+        U = U + a[..., i, :, None] * v[..., i, None, :]
+    return U, logits.logsumexp(-2)
 
 
 def merge_partial(u, lse, partial, w, eps: float):
