@@ -35,21 +35,23 @@ INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 # %% ../chapters/02_kda_kernel.ipynb #90fe3dff
 # Launch settings per kernel: warps, pipeline stages, and the K / V block (None: all of K / V in one block; the state
-# kernels keep all of K). Chosen so that no kernel spills registers on sm_90 at K = V = 128 (compile report:
-# `python -m moe_book.bench kda --compile-report`). The two sequential state walks are autotuned on the GPU among
+# kernels keep all of K). No kernel spills registers on sm_90 at K = V = 128 (compile report:
+# `python -m moe_book.bench kda --compile-report`); the settings are the fastest that
+# `python -m moe_book.bench kda --tune` measured for each kernel alone on the H200 at B=8, T=4096, H=16
+# (results/kda_tune.json). The two sequential state walks are autotuned on the GPU among
 # their TUNE entries (the first is the interpreter's), keyed by how many (sequence, head) walks run side by side.
 LAUNCH = {
     "kda_gate_cumsum": dict(num_warps=4, num_stages=1, BK=None),
-    "kda_intra_chunk_fwd": dict(num_warps=8, num_stages=1, BK=None),
-    "kda_ut_solve_fwd": dict(num_warps=4, num_stages=1),
-    "kda_wy_fwd": dict(num_warps=8, num_stages=1, BK=128, BV=128),
+    "kda_intra_chunk_fwd": dict(num_warps=2, num_stages=3, BK=None),
+    "kda_ut_solve_fwd": dict(num_warps=2, num_stages=2),
+    "kda_wy_fwd": dict(num_warps=4, num_stages=3, BK=32, BV=128),
     "kda_state_fwd": dict(BK=None),
     "kda_output_fwd": dict(num_warps=8, num_stages=2, BK=128, BV=64),
     "kda_output_bwd": dict(num_warps=8, num_stages=2, BV=64),
     "kda_state_bwd": dict(BK=None),
     "kda_inter_bwd": dict(num_warps=8, num_stages=2, BK=64, BV=32),
     "kda_wy_bwd": dict(num_warps=8, num_stages=2, BK=32, BV=32),
-    "kda_intra_chunk_bwd": dict(num_warps=8, num_stages=1, BK=64),
+    "kda_intra_chunk_bwd": dict(num_warps=4, num_stages=2, BK=64),
 }
 
 TUNE = {
@@ -67,7 +69,7 @@ def _tuned(kernel):
     configs = [triton.Config({"BV": c["BV"]}, num_warps=c["num_warps"], num_stages=c["num_stages"]) for c in TUNE[name]]
     return triton.autotune(configs, key=["H", "K", "V", "PAR"])(kernel)
 
-LAUNCH_HOOK = None     # when set, _launch hands (kernel, launch kwargs, configs) to it instead of launching
+LAUNCH_HOOK = None     # when set, _launch hands (kernel, args, launch kwargs, configs, grid_fn) to it instead
 
 def _launch(kernel, grid_fn, dims, *args, **kw):
     """kernel[grid](*args, **kw) with LAUNCH's settings; dims = (K, V); grid_fn(BK, BV) gives the grid for the
@@ -87,7 +89,7 @@ def _launch(kernel, grid_fn, dims, *args, **kw):
         blocks["BV"] = _pow2(V) if bv is None else min(bv, _pow2(V))
     if LAUNCH_HOOK is not None:                     # e.g. compile for a GPU without one (moe_book.bench.kda)
         configs = [dict(c) for c in TUNE[name]] if tuned else [cfg]
-        return LAUNCH_HOOK(kernel.fn if tuned else kernel, args, dict(kw, **blocks), configs)
+        return LAUNCH_HOOK(kernel.fn if tuned else kernel, args, dict(kw, **blocks), configs, grid_fn)
     if 0 in grid_fn(blocks.get("BK"), blocks.get("BV") or 16):
         return                                      # nothing to do (e.g. no tokens at all)
     if tuned:
@@ -179,12 +181,14 @@ def _store_cc(ptr, x, t0, eos, r0, c0, H: tl.constexpr, BT: tl.constexpr, i_h, N
 # %% ../chapters/02_kda_kernel.ipynb #88da3603
 @triton.jit
 def kda_gate_cumsum(g, G, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr,
-                    BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr):
-    "G = cumsum of g inside each chunk, in fp32: every later kernel works with decays relative to the chunk start."
+                    BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr):
+    """G = cumsum of g inside each chunk, in fp32: every later kernel works with decays relative to the chunk start.
+    REVERSE: the sum from each token to the chunk's end (the backward turns dG into dg with it). G may be g."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     ar, cols = tl.arange(0, BT), tl.arange(0, BK)
-    _store_tile(G, tl.cumsum(_load_tile(g, t0, ar, cols, eos, H, K, i_h), axis=0), t0, ar, cols, eos, H, K, i_h)
+    x = _load_tile(g, t0, ar, cols, eos, H, K, i_h)
+    _store_tile(G, tl.cumsum(x, axis=0, reverse=REVERSE), t0, ar, cols, eos, H, K, i_h)
 
 # %% ../chapters/02_kda_kernel.ipynb #0d649d2f
 @triton.jit
@@ -227,41 +231,41 @@ def kda_intra_chunk_fwd(q, k, G, Aqk, Akk, scale, cu_seqlens, chunk_indices, T,
                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                         IS_VARLEN: tl.constexpr, BOUNDED: tl.constexpr, DIAG_DT: tl.constexpr,
                         PREC: tl.constexpr):
-    """Aqk and Akk of one chunk, 16x16 tile by tile. Tiles left of the diagonal (key block b < row block i) use the
+    """Aqk and Akk of one row tile (16 tokens) of one chunk: its diagonal tile and the tiles left of it. One
+    program per row tile, so the four tiles of a chunk run side by side (one program per chunk held 246 registers
+    a thread and ran one block per SM). Tiles left of the diagonal (key block b < row block i) use the
     first token of block i as reference: exp(G_t - G_ref) <= 1 and exp(G_ref - G_j) <= 1, exact for any gate.
     Diagonal tiles: factorised around the middle token (bounded gate) or pairwise (any gate)."""
-    i_c, i_h = tl.program_id(0), tl.program_id(1)
+    i, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     DT = q.dtype.element_ty
     cols = tl.arange(0, BK)
     sub = tl.arange(0, BC)
-    for i in tl.static_range(BT // BC):
-        row0 = t0 + i * BC
-        if row0 < eos:
-            valid = (row0 + sub) < eos
-            q_i = _load_tile(q, row0, sub, cols, eos, H, K, i_h) * scale
-            k_i = _load_tile(k, row0, sub, cols, eos, H, K, i_h)
-            G_i = _load_tile(G, row0, sub, cols, eos, H, K, i_h)
-            if BOUNDED:
-                G_mid = _load_row(G, tl.minimum(row0 + BC // 2, eos - 1), cols, H, K, i_h)
-                aqk, akk = _diag_tile_factorised(q_i, k_i, G_i, G_mid, valid, DIAG_DT, PREC, BC)
-            else:
-                aqk, akk = _diag_tile_pairwise(q_i, k_i, G_i, k, G, row0, eos, i_h, cols, H, K, BC)
-            _store_cc(Aqk, aqk, t0, eos, i * BC, i * BC, H, BT, i_h, BC, BC)
-            _store_cc(Akk, akk, t0, eos, i * BC, i * BC, H, BT, i_h, BC, BC)
-            if i > 0:
-                G_ref = _load_row(G, row0, cols, H, K, i_h)
-                row_decay = tl.exp(tl.minimum(G_i - G_ref[None, :], 0.))
-                q_dec = (q_i * row_decay).to(DT)
-                k_dec = (k_i * row_decay).to(DT)
-                for b in tl.static_range(i):
-                    k_b = _load_tile(k, t0 + b * BC, sub, cols, eos, H, K, i_h)
-                    G_b = _load_tile(G, t0 + b * BC, sub, cols, eos, H, K, i_h)
-                    k_b = tl.trans((k_b * tl.exp(tl.minimum(G_ref[None, :] - G_b, 0.))).to(DT))
-                    _store_cc(Aqk, tl.dot(q_dec, k_b, input_precision=PREC), t0, eos, i * BC, b * BC, H, BT, i_h,
-                              BC, BC)
-                    _store_cc(Akk, tl.dot(k_dec, k_b, input_precision=PREC), t0, eos, i * BC, b * BC, H, BT, i_h,
-                              BC, BC)
+    row0 = t0 + i * BC
+    if row0 < eos:
+        valid = (row0 + sub) < eos
+        q_i = _load_tile(q, row0, sub, cols, eos, H, K, i_h) * scale
+        k_i = _load_tile(k, row0, sub, cols, eos, H, K, i_h)
+        G_i = _load_tile(G, row0, sub, cols, eos, H, K, i_h)
+        if BOUNDED:
+            G_mid = _load_row(G, tl.minimum(row0 + BC // 2, eos - 1), cols, H, K, i_h)
+            aqk, akk = _diag_tile_factorised(q_i, k_i, G_i, G_mid, valid, DIAG_DT, PREC, BC)
+        else:
+            aqk, akk = _diag_tile_pairwise(q_i, k_i, G_i, k, G, row0, eos, i_h, cols, H, K, BC)
+        _store_cc(Aqk, aqk, t0, eos, i * BC, i * BC, H, BT, i_h, BC, BC)
+        _store_cc(Akk, akk, t0, eos, i * BC, i * BC, H, BT, i_h, BC, BC)
+        if i > 0:
+            G_ref = _load_row(G, row0, cols, H, K, i_h)
+            row_decay = tl.exp(tl.minimum(G_i - G_ref[None, :], 0.))
+            q_dec = (q_i * row_decay).to(DT)
+            k_dec = (k_i * row_decay).to(DT)
+            for b in range(i):
+                k_b = _load_tile(k, t0 + b * BC, sub, cols, eos, H, K, i_h)
+                G_b = _load_tile(G, t0 + b * BC, sub, cols, eos, H, K, i_h)
+                k_b = tl.trans((k_b * tl.exp(tl.minimum(G_ref[None, :] - G_b, 0.))).to(DT))
+                _store_cc(Aqk, tl.dot(q_dec, k_b, input_precision=PREC), t0, eos, i * BC, b * BC, H, BT, i_h, BC, BC)
+                _store_cc(Akk, tl.dot(k_dec, k_b, input_precision=PREC), t0, eos, i * BC, b * BC, H, BT, i_h, BC, BC)
+
 
 # %% ../chapters/02_kda_kernel.ipynb #633a300e
 @triton.jit
@@ -452,10 +456,11 @@ def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     NC, dev, PREC, VL = ch.n_chunks, q.device, _dot_precision(q.dtype), ch.varlen
     f32 = dict(device=dev, dtype=torch.float32)
     G = torch.empty(B, T, H, K, **f32)
-    _launch(kda_gate_cumsum, lambda bk, bv: (NC, H), (K, V), g, G, *ch.args(), H=H, K=K, BT=BT, IS_VARLEN=VL)
+    _launch(kda_gate_cumsum, lambda bk, bv: (NC, H), (K, V), g, G, *ch.args(), H=H, K=K, BT=BT, IS_VARLEN=VL,
+            REVERSE=False)
     Aqk = torch.empty(B, T, H, BT, device=dev, dtype=q.dtype)
     Akk = torch.empty(B, T, H, BT, **f32)
-    _launch(kda_intra_chunk_fwd, lambda bk, bv: (NC, H), (K, V), q, k, G, Aqk, Akk, scale, *ch.args(), H=H, K=K, BT=BT,
+    _launch(kda_intra_chunk_fwd, lambda bk, bv: (BT // BC, NC, H), (K, V), q, k, G, Aqk, Akk, scale, *ch.args(), H=H, K=K, BT=BT,
             BC=BC, IS_VARLEN=VL, BOUNDED=bounded, DIAG_DT=_diag_dtype(q.dtype), PREC=PREC)
     Tm = torch.empty(B, T, H, BT, **f32)
     _launch(kda_ut_solve_fwd, lambda bk, bv: (NC, H), (K, V), Akk, beta, Tm, *ch.args(), H=H, BT=BT, BC=BC,
@@ -642,100 +647,100 @@ def kda_wy_bwd(k, v, G, beta, Tm, Akk, dW, du, dk, dG, dv, dbeta, dAkk, cu_seqle
 
 # %% ../chapters/02_kda_kernel.ipynb #7200c6d6
 @triton.jit
-def kda_intra_chunk_bwd(q, k, G, dAqk, dAkk, dqs_p, dk_p, dG_p, dq, dk, dg, scale, cu_seqlens, chunk_indices, T,
+def kda_intra_chunk_bwd(q, k, G, dAqk, dAkk, dqs_p, dk_p, dG_p, dq, dk, scale, cu_seqlens, chunk_indices, T,
                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                         IS_VARLEN: tl.constexpr, BOUNDED: tl.constexpr, DIAG_DT: tl.constexpr,
                         PREC: tl.constexpr):
-    """Back through Aqk and Akk, sub-chunk by sub-chunk (last first, so the reverse cumsum dG -> dg runs along):
-    for sub-chunk i, its rows' gradients (dq, dk as row of Akk) come from key blocks b <= i, its keys' gradients from
-    query blocks s >= i. Per channel, d G_t = x_t dx_t - y_t dy_t for every term x_t y_i exp(G_t - G_i)."""
-    i_k, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Back through Aqk and Akk for one sub-chunk i (16 tokens) and a BK slice of the channels: its rows' gradients
+    (dq, dk as row of Akk) come from key blocks b <= i, its keys' gradients from query blocks s >= i. Per channel,
+    d G_t = x_t dx_t - y_t dy_t for every term x_t y_i exp(G_t - G_i). Completes dq, dk, and dG in place in dG_p;
+    the reverse cumsum dG -> dg inside the chunk is a separate pass (kda_gate_cumsum, REVERSE). One program per
+    sub-chunk: one program per chunk, walking the four sub-chunks, held ~190 registers a thread at 8 warps and
+    ran one block per SM; it took 4.3 of the backward's 9.9 ms on the H200 at B=8, T=4096, H=16."""
+    i_kc, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    NC: tl.constexpr = BT // BC
+    i_k, i = i_kc // NC, i_kc % NC
     t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     DT = q.dtype.element_ty
     cols = i_k * BK + tl.arange(0, BK)
     sub = tl.arange(0, BC)
-    NC: tl.constexpr = BT // BC
-    carry = tl.zeros([BK], dtype=tl.float32)                          # sum of dG over the later sub-chunks
-    for i in tl.static_range(NC - 1, -1, -1):
-        row0 = t0 + i * BC
-        if row0 < eos:
-            valid = (row0 + sub) < eos
-            qs_i = _load_tile(q, row0, sub, cols, eos, H, K, i_h) * scale
-            k_i = _load_tile(k, row0, sub, cols, eos, H, K, i_h)
-            G_i = _load_tile(G, row0, sub, cols, eos, H, K, i_h)
-            d_q = tl.zeros([BC, BK], dtype=tl.float32)                 # d qs_i  (rows of Aqk)
-            d_kr = tl.zeros([BC, BK], dtype=tl.float32)                # d k_i as a row of Akk
-            d_kc = tl.zeros([BC, BK], dtype=tl.float32)                # d k_i as a column of Aqk and Akk
-            # --- key blocks b < i (row role); reference: the first token of block i
-            if i > 0:
-                G_ref = _load_row(G, row0, cols, H, K, i_h)
-                acc_q = tl.zeros([BC, BK], dtype=tl.float32)
-                acc_k = tl.zeros([BC, BK], dtype=tl.float32)
-                for bb in tl.static_range(i):
-                    k_b = _load_tile(k, t0 + bb * BC, sub, cols, eos, H, K, i_h)
-                    G_b = _load_tile(G, t0 + bb * BC, sub, cols, eos, H, K, i_h)
-                    k_b = (k_b * tl.exp(tl.minimum(G_ref[None, :] - G_b, 0.))).to(DT)
-                    acc_q += tl.dot(_load_cc(dAqk, t0, eos, i * BC, bb * BC, H, BT, i_h, BC, BC, 0).to(DT), k_b,
-                                    input_precision=PREC)
-                    acc_k += tl.dot(_load_cc(dAkk, t0, eos, i * BC, bb * BC, H, BT, i_h, BC, BC, 0).to(DT), k_b,
-                                    input_precision=PREC)
-                row_decay = tl.exp(tl.minimum(G_i - G_ref[None, :], 0.))
-                d_q += acc_q * row_decay
-                d_kr += acc_k * row_decay
-            # --- the diagonal tile. Its own diagonal (t = i in Aqk) has no decay, so it adds q_t k_t to both sides
-            # of dG_t = qs_t dq_t - k_t dk_t, where the two would cancel up to rounding: the largest terms of all.
-            # Kept out of d_q / d_kc (which feed dG) and added to dq, dk directly.
-            dAq = _load_cc(dAqk, t0, eos, i * BC, i * BC, H, BT, i_h, BC, BC, 1)
-            dAk = _load_cc(dAkk, t0, eos, i * BC, i * BC, H, BT, i_h, BC, BC, 2)
-            eye = sub[:, None] == sub[None, :]
-            dA_tt = tl.sum(tl.where(eye, dAq, 0.), 1)[:, None]
-            dAq = tl.where(eye, 0., dAq)
-            if BOUNDED:
-                G_mid = _load_row(G, tl.minimum(row0 + BC // 2, eos - 1), cols, H, K, i_h)
-                e = tl.where(valid[:, None], G_i - G_mid[None, :], 0.)
-                up, down = tl.exp(e), tl.exp(-e)
-                k_down = (k_i * down).to(DIAG_DT)
-                d_q += tl.dot(dAq.to(DIAG_DT), k_down, input_precision=PREC) * up
-                d_kr += tl.dot(dAk.to(DIAG_DT), k_down, input_precision=PREC) * up
-                d_kc += (tl.dot(tl.trans(dAq).to(DIAG_DT), (qs_i * up).to(DIAG_DT), input_precision=PREC)
-                         + tl.dot(tl.trans(dAk).to(DIAG_DT), (k_i * up).to(DIAG_DT), input_precision=PREC)) * down
-            else:
-                k_row = k + (row0.to(tl.int64) * H + i_h) * K + cols
-                G_row = G + (row0.to(tl.int64) * H + i_h) * K + cols
-                for j in range(BC):
-                    live = cols < tl.where(row0 + j < eos, K, 0)
-                    k_j = tl.load(k_row + j * H * K, mask=live, other=0.).to(tl.float32)
-                    G_j = tl.load(G_row + j * H * K, mask=live, other=0.)
-                    decay = tl.where(sub[:, None] > j, tl.exp(tl.minimum(G_i - G_j[None, :], 0.)), 0.)
-                    a_q = tl.sum(tl.where(sub[None, :] == j, dAq, 0.), 1)[:, None]   # column j of the tile
-                    a_k = tl.sum(tl.where(sub[None, :] == j, dAk, 0.), 1)[:, None]
-                    d_q += a_q * k_j[None, :] * decay
-                    d_kr += a_k * k_j[None, :] * decay
-                    dk_j = tl.sum((a_q * qs_i + a_k * k_i) * decay, 0)
-                    d_kc = tl.where(sub[:, None] == j, d_kc + dk_j[None, :], d_kc)
-            # --- query blocks s > i (column role); reference: the last (valid) token of block i
-            if i < NC - 1:
-                G_ref = _load_row(G, tl.minimum(row0 + BC - 1, eos - 1), cols, H, K, i_h)
-                acc = tl.zeros([BC, BK], dtype=tl.float32)
-                for s in tl.static_range(i + 1, NC):
-                    G_s = _load_tile(G, t0 + s * BC, sub, cols, eos, H, K, i_h)
-                    dec = tl.exp(tl.minimum(G_s - G_ref[None, :], 0.))
-                    q_s = (_load_tile(q, t0 + s * BC, sub, cols, eos, H, K, i_h) * scale * dec).to(DT)
-                    k_s = (_load_tile(k, t0 + s * BC, sub, cols, eos, H, K, i_h) * dec).to(DT)
-                    acc += tl.dot(tl.trans(_load_cc(dAqk, t0, eos, s * BC, i * BC, H, BT, i_h, BC, BC, 0).to(DT)),
-                                  q_s, input_precision=PREC)
-                    acc += tl.dot(tl.trans(_load_cc(dAkk, t0, eos, s * BC, i * BC, H, BT, i_h, BC, BC, 0).to(DT)),
-                                  k_s, input_precision=PREC)
-                d_kc += acc * tl.exp(tl.minimum(G_ref[None, :] - G_i, 0.))
-            # --- finish: add the partials, turn dG into dg = reverse cumsum of dG inside the chunk
-            d_qs = _load_tile(dqs_p, row0, sub, cols, eos, H, K, i_h) + d_q + dA_tt * k_i
-            d_k = _load_tile(dk_p, row0, sub, cols, eos, H, K, i_h) + d_kr + d_kc + dA_tt * qs_i
-            d_G = _load_tile(dG_p, row0, sub, cols, eos, H, K, i_h) + qs_i * d_q + k_i * (d_kr - d_kc)
-            d_g = carry[None, :] + tl.cumsum(d_G, axis=0, reverse=True)
-            carry += tl.sum(d_G, 0)
-            _store_tile(dq, d_qs * scale, row0, sub, cols, eos, H, K, i_h)
-            _store_tile(dk, d_k, row0, sub, cols, eos, H, K, i_h)
-            _store_tile(dg, d_g, row0, sub, cols, eos, H, K, i_h)
+    row0 = t0 + i * BC
+    if row0 < eos:
+        valid = (row0 + sub) < eos
+        qs_i = _load_tile(q, row0, sub, cols, eos, H, K, i_h) * scale
+        k_i = _load_tile(k, row0, sub, cols, eos, H, K, i_h)
+        G_i = _load_tile(G, row0, sub, cols, eos, H, K, i_h)
+        d_q = tl.zeros([BC, BK], dtype=tl.float32)                 # d qs_i  (rows of Aqk)
+        d_kr = tl.zeros([BC, BK], dtype=tl.float32)                # d k_i as a row of Akk
+        d_kc = tl.zeros([BC, BK], dtype=tl.float32)                # d k_i as a column of Aqk and Akk
+        # --- key blocks b < i (row role); reference: the first token of block i
+        if i > 0:
+            G_ref = _load_row(G, row0, cols, H, K, i_h)
+            acc_q = tl.zeros([BC, BK], dtype=tl.float32)
+            acc_k = tl.zeros([BC, BK], dtype=tl.float32)
+            for bb in range(i):
+                k_b = _load_tile(k, t0 + bb * BC, sub, cols, eos, H, K, i_h)
+                G_b = _load_tile(G, t0 + bb * BC, sub, cols, eos, H, K, i_h)
+                k_b = (k_b * tl.exp(tl.minimum(G_ref[None, :] - G_b, 0.))).to(DT)
+                acc_q += tl.dot(_load_cc(dAqk, t0, eos, i * BC, bb * BC, H, BT, i_h, BC, BC, 0).to(DT), k_b,
+                                input_precision=PREC)
+                acc_k += tl.dot(_load_cc(dAkk, t0, eos, i * BC, bb * BC, H, BT, i_h, BC, BC, 0).to(DT), k_b,
+                                input_precision=PREC)
+            row_decay = tl.exp(tl.minimum(G_i - G_ref[None, :], 0.))
+            d_q += acc_q * row_decay
+            d_kr += acc_k * row_decay
+        # --- the diagonal tile. Its own diagonal (t = i in Aqk) has no decay, so it adds q_t k_t to both sides
+        # of dG_t = qs_t dq_t - k_t dk_t, where the two would cancel up to rounding: the largest terms of all.
+        # Kept out of d_q / d_kc (which feed dG) and added to dq, dk directly.
+        dAq = _load_cc(dAqk, t0, eos, i * BC, i * BC, H, BT, i_h, BC, BC, 1)
+        dAk = _load_cc(dAkk, t0, eos, i * BC, i * BC, H, BT, i_h, BC, BC, 2)
+        eye = sub[:, None] == sub[None, :]
+        dA_tt = tl.sum(tl.where(eye, dAq, 0.), 1)[:, None]
+        dAq = tl.where(eye, 0., dAq)
+        if BOUNDED:
+            G_mid = _load_row(G, tl.minimum(row0 + BC // 2, eos - 1), cols, H, K, i_h)
+            e = tl.where(valid[:, None], G_i - G_mid[None, :], 0.)
+            up, down = tl.exp(e), tl.exp(-e)
+            k_down = (k_i * down).to(DIAG_DT)
+            d_q += tl.dot(dAq.to(DIAG_DT), k_down, input_precision=PREC) * up
+            d_kr += tl.dot(dAk.to(DIAG_DT), k_down, input_precision=PREC) * up
+            d_kc += (tl.dot(tl.trans(dAq).to(DIAG_DT), (qs_i * up).to(DIAG_DT), input_precision=PREC)
+                     + tl.dot(tl.trans(dAk).to(DIAG_DT), (k_i * up).to(DIAG_DT), input_precision=PREC)) * down
+        else:
+            k_row = k + (row0.to(tl.int64) * H + i_h) * K + cols
+            G_row = G + (row0.to(tl.int64) * H + i_h) * K + cols
+            for j in range(BC):
+                live = cols < tl.where(row0 + j < eos, K, 0)
+                k_j = tl.load(k_row + j * H * K, mask=live, other=0.).to(tl.float32)
+                G_j = tl.load(G_row + j * H * K, mask=live, other=0.)
+                decay = tl.where(sub[:, None] > j, tl.exp(tl.minimum(G_i - G_j[None, :], 0.)), 0.)
+                a_q = tl.sum(tl.where(sub[None, :] == j, dAq, 0.), 1)[:, None]   # column j of the tile
+                a_k = tl.sum(tl.where(sub[None, :] == j, dAk, 0.), 1)[:, None]
+                d_q += a_q * k_j[None, :] * decay
+                d_kr += a_k * k_j[None, :] * decay
+                dk_j = tl.sum((a_q * qs_i + a_k * k_i) * decay, 0)
+                d_kc = tl.where(sub[:, None] == j, d_kc + dk_j[None, :], d_kc)
+        # --- query blocks s > i (column role); reference: the last (valid) token of block i
+        if i < NC - 1:
+            G_ref = _load_row(G, tl.minimum(row0 + BC - 1, eos - 1), cols, H, K, i_h)
+            acc = tl.zeros([BC, BK], dtype=tl.float32)
+            for s in range(i + 1, NC):
+                G_s = _load_tile(G, t0 + s * BC, sub, cols, eos, H, K, i_h)
+                dec = tl.exp(tl.minimum(G_s - G_ref[None, :], 0.))
+                q_s = (_load_tile(q, t0 + s * BC, sub, cols, eos, H, K, i_h) * scale * dec).to(DT)
+                k_s = (_load_tile(k, t0 + s * BC, sub, cols, eos, H, K, i_h) * dec).to(DT)
+                acc += tl.dot(tl.trans(_load_cc(dAqk, t0, eos, s * BC, i * BC, H, BT, i_h, BC, BC, 0).to(DT)),
+                              q_s, input_precision=PREC)
+                acc += tl.dot(tl.trans(_load_cc(dAkk, t0, eos, s * BC, i * BC, H, BT, i_h, BC, BC, 0).to(DT)),
+                              k_s, input_precision=PREC)
+            d_kc += acc * tl.exp(tl.minimum(G_ref[None, :] - G_i, 0.))
+        # --- finish: add the partials
+        d_qs = _load_tile(dqs_p, row0, sub, cols, eos, H, K, i_h) + d_q + dA_tt * k_i
+        d_k = _load_tile(dk_p, row0, sub, cols, eos, H, K, i_h) + d_kr + d_kc + dA_tt * qs_i
+        d_G = _load_tile(dG_p, row0, sub, cols, eos, H, K, i_h) + qs_i * d_q + k_i * (d_kr - d_kc)
+        _store_tile(dq, d_qs * scale, row0, sub, cols, eos, H, K, i_h)
+        _store_tile(dk, d_k, row0, sub, cols, eos, H, K, i_h)
+        _store_tile(dG_p, d_G, row0, sub, cols, eos, H, K, i_h)
 
 # %% ../chapters/02_kda_kernel.ipynb #05bfb8d3
 def kda_chunk_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, bounded):
@@ -765,10 +770,13 @@ def kda_chunk_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, bounded):
     dAkk = torch.empty(B, T, H, BT, **f32)
     _launch(kda_wy_bwd, lambda bk, bv: (NC, H), (K, V), k, v, G, beta, Tm, Akk, dW, du, dk_p, dG_p, dv, dbeta, dAkk,
             *ch.args(), H=H, K=K, V=V, BT=BT, IS_VARLEN=VL, PREC=PREC)
-    dq, dk, dg = torch.empty_like(q), torch.empty_like(k), torch.empty(B, T, H, K, **f32)
-    _launch(kda_intra_chunk_bwd, lambda bk, bv: (triton.cdiv(K, bk), NC, H), (K, V), q, k, G, dAqk, dAkk, dqs_p, dk_p,
-            dG_p, dq, dk, dg, scale, *ch.args(), H=H, K=K, BT=BT, BC=BC, IS_VARLEN=VL, BOUNDED=bounded,
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    _launch(kda_intra_chunk_bwd, lambda bk, bv: (triton.cdiv(K, bk) * (BT // BC), NC, H), (K, V), q, k, G, dAqk, dAkk,
+            dqs_p, dk_p, dG_p, dq, dk, scale, *ch.args(), H=H, K=K, BT=BT, BC=BC, IS_VARLEN=VL, BOUNDED=bounded,
             DIAG_DT=_diag_dtype(q.dtype), PREC=PREC)
+    dg = dG_p                                       # dG, complete: dg is its reverse cumsum inside each chunk
+    _launch(kda_gate_cumsum, lambda bk, bv: (NC, H), (K, V), dG_p, dg, *ch.args(), H=H, K=K, BT=BT, IS_VARLEN=VL,
+            REVERSE=True)
     return dq, dk, dv, dg, dbeta, dh0
 
 class ChunkKDAFunction(torch.autograd.Function):

@@ -2,7 +2,8 @@
 
 # %% auto #0
 __all__ = ['SHAPES', 'TOY_SHAPES', 'IMPLS', 'G_MIN', 'shape_key', 'kda_flops', 'sdpa_flops', 'kda_min_bytes', 'inputs', 'time_ms',
-           'measure', 'summarize', 'versions', 'plot', 'run', 'compile_report', 'profile_kernels', 'main']
+           'measure', 'summarize', 'versions', 'plot', 'run', 'compile_report', 'profile_kernels', 'profile_all',
+           'tune_launches', 'main']
 
 # %% ../../chapters/02_kda_kernel.ipynb #98e402e0
 """`python -m moe_book.bench kda`: chunked KDA forward and forward+backward on the GPU, ours (bounded and unbounded
@@ -195,6 +196,9 @@ def run(shapes, H, K, V, out, device, budget_s=None, impls=IMPLS):
     result = {"name": "kda", "device": torch.cuda.get_device_name() if device.type == "cuda" else platform.processor()
               or "cpu", "date": datetime.datetime.now().isoformat(timespec="seconds"), "versions": versions(),
               "rows": [], "summary": {}, "errors": []}
+    if device.type == "cuda":
+        import moe_book.kernels.kda_chunk as kc
+        result["launch"] = {name: dict(cfg) for name, cfg in kc.LAUNCH.items()}
     order = [(impl, B, T, p) for impl in IMPLS[:3] for B, T in shapes for p in ("fwd", "fwd_bwd")]
     order += [(impl, B, T, p) for impl in IMPLS[3:] for B, T in shapes for p in ("fwd", "fwd_bwd")]
     order = [o for o in order if o[0] in impls]
@@ -253,7 +257,7 @@ def compile_report(K=128, V=128, H=16, dtype=torch.bfloat16, arch=90, only=None,
     types = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32"}
     rows, seen = [], set()
 
-    def hook(fn, args, kw, configs):
+    def hook(fn, args, kw, configs, grid_fn):
         if only is not None and fn.__name__ not in only:
             return
         for cfg in configs[:max_configs]:
@@ -307,34 +311,139 @@ def compile_report(K=128, V=128, H=16, dtype=torch.bfloat16, arch=90, only=None,
     return rows
 
 
-def profile_kernels(B=8, T=4096, H=16, K=128, V=128, iters=5, out=None, bounded=True):
-    """Where ours spends its time: torch.profiler over `iters` forward+backward calls at one shape (after one
-    untimed call that autotunes), GPU time summed per kernel name, largest first. Writes JSON when out is given."""
+def profile_kernels(impl="ours_bounded", B=8, T=4096, H=16, K=128, V=128, pass_="fwd_bwd", iters=5):
+    """Where one implementation spends its time: torch.profiler over `iters` calls at one shape (after one untimed
+    call that autotunes), GPU time and launches per call summed per kernel name, largest first."""
     from torch.profiler import ProfilerActivity, profile
-    fn = _impl("ours_bounded" if bounded else "ours_unbounded")
-    xs = [x.requires_grad_() for x in inputs(B, T, H, K, V, torch.device("cuda"))]
+    fn = _impl(impl)
+    xs = [x.requires_grad_(pass_ != "fwd") for x in inputs(B, T, H, K, V, torch.device("cuda"))]
     do = torch.randn_like(xs[2])
-    fn(*xs).backward(do)
+    def call():
+        if pass_ == "fwd":
+            with torch.no_grad():
+                fn(*xs)
+        else:
+            fn(*xs).backward(do)
+    call()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(iters):
-            fn(*xs).backward(do)
+            call()
         torch.cuda.synchronize()
     per = {}
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)
-        if us > 0:
-            per[e.key] = per.get(e.key, 0.0) + us / iters / 1e3
-    rows = sorted(({"kernel": k, "ms_per_call": round(v, 4)} for k, v in per.items()), key=lambda r: -r["ms_per_call"])
+        if us > 0 and e.key not in per:
+            per[e.key] = (us / iters / 1e3, e.count / iters)
+    rows = sorted(({"kernel": k, "ms_per_call": round(ms, 4), "launches": n} for k, (ms, n) in per.items()),
+                  key=lambda r: -r["ms_per_call"])
     total = sum(r["ms_per_call"] for r in rows)
+    print(f"--- {impl} {pass_} {shape_key(B, T)}: {total:.3f} ms of kernels per call")
     for r in rows:
         r["share"] = round(r["ms_per_call"] / total, 4)
-        print(f"{r['kernel'][:60]:60s} {r['ms_per_call']:8.3f} ms  {100 * r['share']:5.1f}%")
-    result = {"shape": shape_key(B, T), "H": H, "K": K, "V": V, "pass": "fwd_bwd", "bounded": bounded,
-              "total_ms": round(total, 4), "kernels": rows}
-    if out is not None:
-        Path(out).write_text(json.dumps(result, indent=1))
+        print(f"{r['kernel'][:70]:70s} {r['ms_per_call']:8.3f} ms x{r['launches']:<4g} {100 * r['share']:5.1f}%")
+    return {"impl": impl, "shape": shape_key(B, T), "H": H, "K": K, "V": V, "pass": pass_,
+            "total_ms": round(total, 4), "kernels": rows}
+
+
+def profile_all(out, impls=("ours_bounded", "fla_bounded"), **shape):
+    "profile_kernels for every available implementation, forward and forward+backward, into one JSON."
+    result = {"device": torch.cuda.get_device_name(), "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "versions": versions(), "profiles": []}
+    for impl in impls:
+        if _impl(impl) is None:
+            continue
+        for p in ("fwd", "fwd_bwd"):
+            result["profiles"].append(profile_kernels(impl, pass_=p, **shape))
+            Path(out).write_text(json.dumps(result, indent=1))
     return result
+
+
+def _launch_with(fn, args, kw, cfg, grid_fn):
+    "One launch of a recorded kernel call with launch setting cfg (warps, stages and BK / BV where given)."
+    kw = dict(kw, **{b: cfg[b] for b in ("BK", "BV") if b in cfg})
+    grid = grid_fn(kw.get("BK"), kw.get("BV") or 16)
+    fn[grid](*args, **kw, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
+
+def _candidates(name, kw, current, K, V, warps, stages, blocks):
+    "Launch settings to try for one kernel: warps x stages x the K / V blocks it takes (one block moved at a time)."
+    import moe_book.kernels.kda_chunk as kc
+    launch = kc.LAUNCH[name]
+    shapes = [{b: current[b] for b in ("BK", "BV") if b in current}]
+    for b, D in (("BK", K), ("BV", V)):
+        free = b in current and (b != "BK" or launch.get("BK") is not None)   # BK=None kernels need all of K
+        for size in (blocks if free else ()):
+            if size <= D and size != current[b]:
+                shapes.append(dict(shapes[0], **{b: size}))
+    return [dict(s, num_warps=w, num_stages=st) for s in shapes for w in warps for st in stages]
+
+
+def tune_launches(B=8, T=4096, H=16, K=128, V=128, warps=(2, 4, 8), stages=(1, 2, 3), blocks=(16, 32, 64, 128),
+                  budget_s=None, only=None, device="cuda", apply=False):
+    """Every kernel of one bounded forward+backward at one shape, timed alone (do_bench, median) under each launch
+    setting on the real intermediates of that call: the setting LAUNCH / TUNE gives now, then every candidate.
+    Returns per kernel the current and the fastest setting with their ms; LAUNCH is edited by hand from it
+    (apply=True also puts the winners into this process's LAUNCH, e.g. to benchmark them right away). Kernels
+    launched twice with different flags (kda_wy_fwd with and without STORE_QG) share one LAUNCH entry: the last
+    one tuned wins.
+    (Kernels that accumulate into their outputs drift while being re-run; only the time is read.)"""
+    from triton.testing import do_bench
+    import moe_book.kernels.kda_chunk as kc
+    calls = {}
+
+    def hook(fn, args, kw, configs, grid_fn):
+        cur = dict(configs[0])
+        for b in ("BK", "BV"):
+            if b in kw and b not in cur:
+                cur[b] = kw[b]
+        cur.setdefault("num_stages", 1)
+        _launch_with(fn, args, kw, cur, grid_fn)         # run it: the kernels after it need its outputs
+        flags = ",".join(k for k, v in kw.items() if v is True)
+        calls.setdefault(fn.__name__ + (f"[{flags}]" if flags else ""), (fn, args, kw, cur, grid_fn))
+
+    xs = [x.requires_grad_() for x in inputs(B, T, H, K, V, torch.device(device),
+                                             torch.bfloat16 if device == "cuda" else torch.float32)]
+    chunk_kda = _impl("ours_bounded")
+    old, kc.LAUNCH_HOOK = kc.LAUNCH_HOOK, hook
+    try:
+        chunk_kda(*xs).backward(torch.randn_like(xs[2]))
+    finally:
+        kc.LAUNCH_HOOK = old
+    t_start, rows = time.time(), []
+    keys = list(calls) if not only else [k for name in only for k in calls if k.split("[")[0] == name]
+    for key in keys:
+        fn, args, kw, cur, grid_fn = calls[key]
+        cands = [cur] + [c for c in _candidates(fn.__name__, kw, cur, K, V, warps, stages, blocks) if c != cur]
+        tried = []
+        for cfg in cands:
+            if budget_s is not None and time.time() - t_start > budget_s:
+                break
+            try:
+                ms = do_bench(lambda: _launch_with(fn, args, kw, cfg, grid_fn), warmup=5, rep=25,
+                              return_mode="median")
+            except Exception as e:                      # e.g. out of shared memory at this setting
+                ms = None
+            tried.append({"config": cfg, "ms": None if ms is None else round(float(ms), 4)})
+        ok = [t for t in tried if t["ms"] is not None]
+        if not ok:
+            continue
+        best = min(ok, key=lambda t: t["ms"])
+        rows.append({"kernel": key, "current": tried[0], "best": best, "tried": tried})
+        print(f"{key:34s} now {tried[0]['ms']:7.3f} ms {tried[0]['config']}  best {best['ms']:7.3f} ms "
+              f"{best['config']}  ({len(ok)}/{len(cands)} settings)", flush=True)
+    now = sum(r["current"]["ms"] for r in rows if r["current"]["ms"] is not None)
+    if apply:                                       # this process's later calls launch with the winners
+        for r in rows:
+            name = r["kernel"].split("[")[0]
+            if name in kc.LAUNCH and name not in kc.TUNE:
+                kc.LAUNCH[name].update({k: v for k, v in r["best"]["config"].items() if k in kc.LAUNCH[name]
+                                        or k in ("num_warps", "num_stages")})
+    best = sum(r["best"]["ms"] for r in rows)
+    print(f"sum of kernels: now {now:.3f} ms, best {best:.3f} ms", flush=True)
+    return {"device": torch.cuda.get_device_name() if device == "cuda" else device, "date": datetime.datetime.now().isoformat(timespec="seconds"),
+            "versions": versions(), "shape": shape_key(B, T), "H": H, "K": K, "V": V,
+            "sum_ms_current": round(now, 4), "sum_ms_best": round(best, 4), "kernels": rows}
 
 
 def main(argv=None):
@@ -344,15 +453,30 @@ def main(argv=None):
     ap.add_argument("--budget", type=float, default=None, help="seconds after which no new row starts")
     ap.add_argument("--impls", nargs="*", default=IMPLS, choices=IMPLS, help="implementations to time")
     ap.add_argument("--compile-report", action="store_true", help="compile all kernels for sm_90, print regs/spills")
-    ap.add_argument("--only", nargs="*", default=None, help="--compile-report: only these kernels")
+    ap.add_argument("--only", nargs="*", default=None, help="--compile-report / --tune: only these kernels")
     ap.add_argument("--max-configs", type=int, default=None, help="--compile-report: autotune candidates per kernel")
     ap.add_argument("--profile", default=None, metavar="JSON",
-                    help="GPU: per-kernel time of ours (bounded) fwd+bwd at B=8, T=4096 into JSON, then exit")
+                    help="GPU: per-kernel time of ours and fla (bounded), fwd and fwd+bwd at B=8, T=4096, then exit")
+    ap.add_argument("--tune", default=None, metavar="JSON",
+                    help="GPU: time each kernel alone under candidate launch settings at B=8, T=4096, then exit")
+    ap.add_argument("--tune-budget", type=float, default=None, help="--tune: seconds after which no setting starts")
+    ap.add_argument("--warps", nargs="*", type=int, default=[2, 4, 8], help="--tune: num_warps to try")
+    ap.add_argument("--stages", nargs="*", type=int, default=[1, 2, 3], help="--tune: num_stages to try")
+    ap.add_argument("--and-bench", action="store_true",
+                    help="--tune: then run the benchmark in the same process with the fastest settings")
     args = ap.parse_args(argv)
+    if args.tune:
+        if not torch.cuda.is_available():
+            sys.exit("bench kda --tune: needs a CUDA GPU")
+        result = tune_launches(budget_s=args.tune_budget, only=args.only, apply=args.and_bench,
+                               warps=tuple(args.warps), stages=tuple(args.stages))
+        Path(args.tune).write_text(json.dumps(result, indent=1))
+        if not args.and_bench:
+            return result
     if args.profile:
         if not torch.cuda.is_available():
             sys.exit("bench kda --profile: needs a CUDA GPU")
-        return profile_kernels(out=args.profile)
+        return profile_all(args.profile)
     if args.compile_report:                             # compiles for a GPU target: no interpreter, no GPU needed
         only = set(args.only) if args.only else None
         return compile_report(only=only, max_configs=args.max_configs,
