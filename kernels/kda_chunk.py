@@ -228,6 +228,12 @@ def _diag_tile_pairwise(q_i, k_i, G_i, k, G, row0, eos, i_h, cols, H: tl.constex
     return aqk, akk
 
 @triton.jit
+def _load_qkG(q, k, G, scale, row0, sub, cols, eos, H: tl.constexpr, K: tl.constexpr, i_h):
+    "The scaled q, k and G tiles (rows row0 + sub, channels cols) that both intra-chunk kernels start from."
+    return (_load_tile(q, row0, sub, cols, eos, H, K, i_h) * scale, _load_tile(k, row0, sub, cols, eos, H, K, i_h),
+            _load_tile(G, row0, sub, cols, eos, H, K, i_h))
+
+@triton.jit
 def kda_intra_chunk_fwd(q, k, G, Aqk, Akk, scale, cu_seqlens, chunk_indices, T,
                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                         IS_VARLEN: tl.constexpr, BOUNDED: tl.constexpr, DIAG_DT: tl.constexpr,
@@ -245,9 +251,7 @@ def kda_intra_chunk_fwd(q, k, G, Aqk, Akk, scale, cu_seqlens, chunk_indices, T,
     row0 = t0 + i * BC
     if row0 < eos:
         valid = (row0 + sub) < eos
-        q_i = _load_tile(q, row0, sub, cols, eos, H, K, i_h) * scale
-        k_i = _load_tile(k, row0, sub, cols, eos, H, K, i_h)
-        G_i = _load_tile(G, row0, sub, cols, eos, H, K, i_h)
+        q_i, k_i, G_i = _load_qkG(q, k, G, scale, row0, sub, cols, eos, H, K, i_h)
         if BOUNDED:
             G_mid = _load_row(G, tl.minimum(row0 + BC // 2, eos - 1), cols, H, K, i_h)
             aqk, akk = _diag_tile_factorised(q_i, k_i, G_i, G_mid, valid, DIAG_DT, PREC, BC)
@@ -668,9 +672,7 @@ def kda_intra_chunk_bwd(q, k, G, dAqk, dAkk, dqs_p, dk_p, dG_p, dq, dk, scale, c
     row0 = t0 + i * BC
     if row0 < eos:
         valid = (row0 + sub) < eos
-        qs_i = _load_tile(q, row0, sub, cols, eos, H, K, i_h) * scale
-        k_i = _load_tile(k, row0, sub, cols, eos, H, K, i_h)
-        G_i = _load_tile(G, row0, sub, cols, eos, H, K, i_h)
+        qs_i, k_i, G_i = _load_qkG(q, k, G, scale, row0, sub, cols, eos, H, K, i_h)
         d_q = tl.zeros([BC, BK], dtype=tl.float32)                 # d qs_i  (rows of Aqk)
         d_kr = tl.zeros([BC, BK], dtype=tl.float32)                # d k_i as a row of Akk
         d_kc = tl.zeros([BC, BK], dtype=tl.float32)                # d k_i as a column of Aqk and Akk
