@@ -80,6 +80,15 @@ def test_fp32_forward_backward_match_reference(gate, lb, tol):
     compare(2, 70, 1, 16, 32, gate, torch.float32, lb, tol)         # a partial second chunk in both sequences
 
 
+def test_head_size_128_runs_every_k_and_v_block():
+    """At K = V = 128 the launch table's blocks (BK 32 / 64, BV 32 / 64) split K and V into several blocks per
+    program, which the small-K tests above never do. fp32 in the interpreter, both gate paths, a partial 3rd chunk."""
+    from moe_book.kernels.kda_chunk import LAUNCH
+    assert any(c.get(b) not in (None, 128) for c in LAUNCH.values() for b in ("BK", "BV"))
+    compare(1, 130, 1, 128, 128, "bounded", torch.float32, -5.0, 1e-5, seed=11)
+    compare(1, 130, 1, 128, 128, "softplus", torch.float32, None, 5e-5, seed=12)
+
+
 def test_fp16_inputs():
     compare(1, 80, 2, 32, 16, "bounded", torch.float16, -5.0, 2e-3, seed=3)
 
