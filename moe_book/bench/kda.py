@@ -380,13 +380,14 @@ def _candidates(name, kw, current, K, V, warps, stages, blocks):
 
 
 def tune_launches(B=8, T=4096, H=16, K=128, V=128, warps=(2, 4, 8), stages=(1, 2, 3), blocks=(16, 32, 64, 128),
-                  budget_s=None, only=None, device="cuda", apply=False):
+                  budget_s=None, only=None, device="cuda", apply=False, out=None):
     """Every kernel of one bounded forward+backward at one shape, timed alone (do_bench, median) under each launch
     setting on the real intermediates of that call: the setting LAUNCH / TUNE gives now, then every candidate.
     Returns per kernel the current and the fastest setting with their ms; LAUNCH is edited by hand from it
     (apply=True also puts the winners into this process's LAUNCH, e.g. to benchmark them right away). Kernels
     launched twice with different flags (kda_wy_fwd with and without STORE_QG) share one LAUNCH entry: the last
     one tuned wins.
+    out: JSON path rewritten after every kernel, so a run cut short keeps what it measured.
     (Kernels that accumulate into their outputs drift while being re-run; only the time is read.)"""
     from triton.testing import do_bench
     import moe_book.kernels.kda_chunk as kc
@@ -422,7 +423,7 @@ def tune_launches(B=8, T=4096, H=16, K=128, V=128, warps=(2, 4, 8), stages=(1, 2
             try:
                 ms = do_bench(lambda: _launch_with(fn, args, kw, cfg, grid_fn), warmup=5, rep=25,
                               return_mode="median")
-            except Exception as e:                      # e.g. out of shared memory at this setting
+            except Exception:                           # e.g. out of shared memory at this setting
                 ms = None
             tried.append({"config": cfg, "ms": None if ms is None else round(float(ms), 4)})
         ok = [t for t in tried if t["ms"] is not None]
@@ -432,18 +433,26 @@ def tune_launches(B=8, T=4096, H=16, K=128, V=128, warps=(2, 4, 8), stages=(1, 2
         rows.append({"kernel": key, "current": tried[0], "best": best, "tried": tried})
         print(f"{key:34s} now {tried[0]['ms']:7.3f} ms {tried[0]['config']}  best {best['ms']:7.3f} ms "
               f"{best['config']}  ({len(ok)}/{len(cands)} settings)", flush=True)
-    now = sum(r["current"]["ms"] for r in rows if r["current"]["ms"] is not None)
+        if out is not None:
+            Path(out).write_text(json.dumps(_tune_result(rows, device, B, T, H, K, V), indent=1))
+    result = _tune_result(rows, device, B, T, H, K, V)
+    print(f"sum of kernels: now {result['sum_ms_current']:.3f} ms, best {result['sum_ms_best']:.3f} ms", flush=True)
     if apply:                                       # this process's later calls launch with the winners
         for r in rows:
             name = r["kernel"].split("[")[0]
             if name in kc.LAUNCH and name not in kc.TUNE:
                 kc.LAUNCH[name].update({k: v for k, v in r["best"]["config"].items() if k in kc.LAUNCH[name]
                                         or k in ("num_warps", "num_stages")})
-    best = sum(r["best"]["ms"] for r in rows)
-    print(f"sum of kernels: now {now:.3f} ms, best {best:.3f} ms", flush=True)
-    return {"device": torch.cuda.get_device_name() if device == "cuda" else device, "date": datetime.datetime.now().isoformat(timespec="seconds"),
-            "versions": versions(), "shape": shape_key(B, T), "H": H, "K": K, "V": V,
-            "sum_ms_current": round(now, 4), "sum_ms_best": round(best, 4), "kernels": rows}
+    return result
+
+
+def _tune_result(rows, device, B, T, H, K, V):
+    "The tuner's JSON: per-kernel rows and the sums of the current and the best settings' times."
+    now = sum(r["current"]["ms"] for r in rows if r["current"]["ms"] is not None)
+    return {"device": torch.cuda.get_device_name() if device == "cuda" else device,
+            "date": datetime.datetime.now().isoformat(timespec="seconds"), "versions": versions(),
+            "shape": shape_key(B, T), "H": H, "K": K, "V": V, "sum_ms_current": round(now, 4),
+            "sum_ms_best": round(sum(r["best"]["ms"] for r in rows), 4), "kernels": rows}
 
 
 def main(argv=None):
@@ -458,7 +467,8 @@ def main(argv=None):
     ap.add_argument("--profile", default=None, metavar="JSON",
                     help="GPU: per-kernel time of ours and fla (bounded), fwd and fwd+bwd at B=8, T=4096, then exit")
     ap.add_argument("--tune", default=None, metavar="JSON",
-                    help="GPU: time each kernel alone under candidate launch settings at B=8, T=4096, then exit")
+                    help="GPU: time each kernel alone under candidate launch settings at B=8, T=4096 (JSON "
+                         "rewritten after each kernel), then exit unless --and-bench")
     ap.add_argument("--tune-budget", type=float, default=None, help="--tune: seconds after which no setting starts")
     ap.add_argument("--warps", nargs="*", type=int, default=[2, 4, 8], help="--tune: num_warps to try")
     ap.add_argument("--stages", nargs="*", type=int, default=[1, 2, 3], help="--tune: num_stages to try")
@@ -469,7 +479,7 @@ def main(argv=None):
         if not torch.cuda.is_available():
             sys.exit("bench kda --tune: needs a CUDA GPU")
         result = tune_launches(budget_s=args.tune_budget, only=args.only, apply=args.and_bench,
-                               warps=tuple(args.warps), stages=tuple(args.stages))
+                               warps=tuple(args.warps), stages=tuple(args.stages), out=args.tune)
         Path(args.tune).write_text(json.dumps(result, indent=1))
         if not args.and_bench:
             return result
