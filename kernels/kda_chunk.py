@@ -465,8 +465,8 @@ def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
             REVERSE=False)
     Aqk = torch.empty(B, T, H, BT, device=dev, dtype=q.dtype)
     Akk = torch.empty(B, T, H, BT, **f32)
-    _launch(kda_intra_chunk_fwd, lambda bk, bv: (BT // BC, NC, H), (K, V), q, k, G, Aqk, Akk, scale, *ch.args(), H=H, K=K, BT=BT,
-            BC=BC, IS_VARLEN=VL, BOUNDED=bounded, DIAG_DT=_diag_dtype(q.dtype), PREC=PREC)
+    _launch(kda_intra_chunk_fwd, lambda bk, bv: (BT // BC, NC, H), (K, V), q, k, G, Aqk, Akk, scale, *ch.args(),
+            H=H, K=K, BT=BT, BC=BC, IS_VARLEN=VL, BOUNDED=bounded, DIAG_DT=_diag_dtype(q.dtype), PREC=PREC)
     Tm = torch.empty(B, T, H, BT, **f32)
     _launch(kda_ut_solve_fwd, lambda bk, bv: (NC, H), (K, V), Akk, beta, Tm, *ch.args(), H=H, BT=BT, BC=BC,
             IS_VARLEN=VL, PREC=PREC)
