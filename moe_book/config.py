@@ -56,6 +56,7 @@ class MoEConfig:
     aux_loss_coef: float = 1e-2
     bias_update_rate: float = 1e-3
     balance_window: int = 8
+    quantile_sweeps: int = 8  # solves per step of the quantile balancers (chapter 05: fewer leave more misfit)
 
 # %% ../chapters/00_foundations.ipynb #fc84b8e6
 @dataclass
@@ -298,6 +299,7 @@ def validate(cfg: Config) -> Config:
                                                f"(0 turns the latent projection off)")
     _check(e.act in ("situ", "swiglu"), f"model.moe.act={e.act!r}: choose 'situ' or 'swiglu'")
     _check(e.balancer in BALANCER_TYPES, f"model.moe.balancer={e.balancer!r}: choose one of {BALANCER_TYPES}")
+    _check(e.quantile_sweeps > 0, f"model.moe.quantile_sweeps={e.quantile_sweeps}: must be a positive number of solves")
     _check(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len")
     _check(t.tokens >= 0 and t.steps >= 0 and (t.tokens > 0 or t.steps > 0),
            "train.tokens and train.steps are both 0: give a token budget (train.tokens=...) or a step count (train.steps=...)")

@@ -229,6 +229,58 @@ def test_gpu_varlen():
     check_gpu(*gpu_case(1, 4096, 4, 128, 128, "bounded", cu=cu, n_seqs=5), "varlen")
 
 
+def walk_settings():
+    "Every distinct launch setting the state-walk table WALKS can give, per kernel."
+    from moe_book.kernels.kda_chunk import WALKS
+    return [(name, s) for name, rows in WALKS.items() for i, (_, s) in enumerate(rows) if s not in
+            [r[1] for r in rows[:i]]]
+
+
+def test_walk_table_covers_every_walk_count():
+    "Thresholds rise and the last row takes any count, so every shape has a state-walk setting, the first that fits."
+    from moe_book.kernels.kda_chunk import WALKS, walk_setting
+    for name, rows in WALKS.items():
+        most = [m for m, _ in rows]
+        assert most[-1] is None and most[:-1] == sorted(most[:-1]), (name, most)
+        for n in (1, 7, 8, 9, 31, 32, 33, 128, 10 ** 6):
+            assert walk_setting(name, n) == next(s for m, s in rows if m is None or n <= m)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name,setting", walk_settings(), ids=lambda x: str(x))
+def test_gpu_every_walk_setting(name, setting, monkeypatch):
+    "Each setting of the walk table, forced for every walk count, gives the reference's numbers (3 chunks + a part)."
+    from moe_book.kernels import kda_chunk
+    monkeypatch.setitem(kda_chunk.WALKS, name, [(None, setting)])
+    check_gpu(*gpu_case(2, 200, 4, 128, 128, "bounded"), f"{name} {setting}")
+
+
+FIRST_CALL = """
+import sys, torch
+sys.path.insert(0, "tests")
+import test_kda_kernel as t
+ours, ref = t.gpu_case(2, 1, 4, 128, 128, "bounded")
+t.check_gpu(ours, ref, "first call of a fresh process")
+"""
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("cache", ["cold", "warm"])
+def test_gpu_first_backward_of_a_fresh_process(cache, tmp_path_factory):
+    """The first forward+backward of a process (T=1, bounded, bf16) matches the reference, d(initial state) included:
+    under triton.autotune that call sometimes returned a NaN dS0 while every later call was right. Run in a new
+    process, with an empty Triton cache (everything compiles inside the call) and then with the one it filled."""
+    import subprocess
+    import sys
+    cache_dir = tmp_path_factory.getbasetemp() / "triton_cache_first_call"
+    env = dict(os.environ, TRITON_CACHE_DIR=str(cache_dir))
+    r = subprocess.run([sys.executable, "-c", FIRST_CALL], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-4000:]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_layer_uses_the_kernel():

@@ -323,12 +323,16 @@ def test_config_errors_are_clear():
         tiny_config(["model.ffn=moe", "model.moe.top_k=9"])
     with pytest.raises(ConfigError, match="latent_dim"):
         tiny_config(["model.ffn=moe", "model.moe.latent_dim=256"])
+    with pytest.raises(ConfigError, match="quantile_sweeps"):
+        tiny_config(["model.ffn=moe", "model.moe.quantile_sweeps=0"])
     # the module repeats the checks for configs built by hand (no validate())
     for field, value, match in [("top_k", 9, "top_k"), ("latent_dim", 256, "latent_dim"),
-                                ("balancer", "quantiles", "balancer.*choose one of"), ("act", "gelu", "act")]:
+                                ("balancer", "quantiles", "balancer.*choose one of"), ("act", "gelu", "act"),
+                                ("quantile_sweeps", 0, "quantile_sweeps")]:
         cfg = moe_model_cfg(**{field: value})
         with pytest.raises(ConfigError, match=match):
             LatentMoE(cfg, 0)
+    assert make_balancer(MoEConfig(quantile_sweeps=3)).sweeps == 3     # the key reaches the solve
     with pytest.raises(ValueError, match="balancer"):       # ConfigError is a ValueError
         make_balancer(MoEConfig(balancer="nope"))
 

@@ -246,7 +246,7 @@ def main(argv=None):
     print(f"bench longseq on {ver['device']}: {preset} preset every piece on ({model.num_params() / 1e6:.0f}M params), "
           f"batch 1, T in {lengths}, modes {a.modes}", flush=True)
 
-    if cuda:     # compile (Block AttnRes' fused path) and autotune (KDA) once, outside the measured points
+    if cuda:     # compile (Block AttnRes' fused path) and the KDA kernels once, outside the measured points
         t0 = time.perf_counter()
         warm = step_at(model, opt, min(4096, min(lengths)), False, device, cfg.model.vocab_size)
         result["warmup"] = {**warm, "seconds": time.perf_counter() - t0}

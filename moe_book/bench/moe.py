@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from moe_book.config import ModelConfig, MoEConfig
-from moe_book.layers.moe import GroupedExperts, LatentMoE, QuantileBalancer, expert_counts, quantile_bias, _grouped_mm_op
+from moe_book.layers.moe import GroupedExperts, LatentMoE, expert_counts, quantile_bias, _grouped_mm_op
 from moe_book.layers.base import _FUSED
 
 SHAPES = {"tokens": 32768, "d_model": 1024, "latent": 512, "experts": 128, "top_k": 8, "hidden": 256, "shared": 1}
@@ -137,8 +137,9 @@ def main(argv=None):
         scores, idx, wts = layer.router(x)
     # the quantile balancer's in-forward solve on these scores (what `model.moe.balancer=quantile` adds per layer)
     zero = torch.zeros(E, device=device)
-    record(f"quantile solve ({QuantileBalancer.sweeps} sweeps, no grad)",
-           time_ms(lambda: quantile_bias(scores, zero, k, QuantileBalancer.sweeps), (), device), None)
+    for sweeps in (1, 2, 4, 8):                     # model.moe.quantile_sweeps: the default is 8
+        record(f"quantile solve ({sweeps} sweeps, no grad)",
+               time_ms(lambda: quantile_bias(scores, zero, k, sweeps), (), device), None)
     counts = expert_counts(idx, E)
     offs = torch.cumsum(counts, 0).to(torch.int32)
     op = _grouped_mm_op()

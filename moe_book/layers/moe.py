@@ -340,16 +340,16 @@ def quantile_bias(scores, bias, top_k: int, sweeps: int = 1):
 
 
 class QuantileBalancer(Balancer):
-    """Quantile Balancing: in each training forward, solve (`sweeps` sweeps of `quantile_bias`, warm-started from the
+    """Quantile Balancing: in each training forward, solve (`model.moe.quantile_sweeps` sweeps of `quantile_bias`, warm-started from the
     previous step's solution) for the bias that gives every expert exactly its k/n share of *this* batch, and route
     the batch with it. The stored bias, which evaluation and inference route with, is the mean of the last
     `balance_window` steps' solutions."""
     name = "quantile"
-    sweeps = 8
     in_forward = True
 
     def __init__(self, cfg: MoEConfig):
         super().__init__(cfg)
+        self.sweeps = cfg.quantile_sweeps
         self.register_buffer("window", torch.zeros(cfg.balance_window, cfg.n_experts))
         self.register_buffer("filled", torch.zeros((), dtype=torch.long))
         self.register_buffer("pos", torch.zeros((), dtype=torch.long))
@@ -389,7 +389,6 @@ class QuantileLaggedBalancer(QuantileBalancer):
     """The same solve, made after routing: step t's solutions only take effect (through the window mean) from step
     t+1, like the step rules. Shows what the lag costs while the router is moving."""
     name = "quantile_lagged"
-    sweeps = 8
     in_forward = False
 
 
@@ -433,6 +432,8 @@ def check_moe_config(cfg: ModelConfig):
         raise ConfigError(f"model.moe.d_expert={m.d_expert}, n_shared={m.n_shared}: need d_expert > 0 and n_shared >= 0")
     if m.balance_window <= 0:
         raise ConfigError(f"model.moe.balance_window={m.balance_window}: must be a positive number of steps")
+    if m.quantile_sweeps <= 0:
+        raise ConfigError(f"model.moe.quantile_sweeps={m.quantile_sweeps}: must be a positive number of solves per step")
 
 
 class SharedExpert(nn.Module):
