@@ -56,14 +56,17 @@ LAUNCH = {
 }
 
 # The state walks run one program per (sequence, head, V block), so how many walks run side by side (N·H) decides
-# the V block: few walks need small blocks to give the 132 SMs enough programs. WALKS[name] lists (at most this many
-# walks, setting); the first that fits is taken. Measured per walk count on the H200 by
+# the V block: few walks need small blocks to give the 132 SMs enough programs; many walks fill the SMs anyway and
+# then a wide block wins, since each program reads its chunk's k and gates once for more V columns (at 128 walks
+# BV=64 took the backward walk from 0.96 to 0.59 ms). WALKS[name] lists (at most this many walks, setting); the
+# first that fits is taken. Measured per walk count on the H200 by
 # `python -m moe_book.bench kda --tune-walks` (results/kda_walks.json). Fixed launches, not triton.autotune: under the
 # autotuner the first backward of a process sometimes returned a NaN d(initial state), and a launch that depends only
 # on the shape is one a test can pin down.
 WALKS = {
-    "kda_state_fwd": [(32, dict(BV=16, num_warps=4, num_stages=2)), (None, dict(BV=32, num_warps=4, num_stages=2))],
-    "kda_state_bwd": [(32, dict(BV=16, num_warps=4, num_stages=2)), (None, dict(BV=32, num_warps=8, num_stages=2))],
+    "kda_state_fwd": [(32, dict(BV=16, num_warps=4, num_stages=2)), (64, dict(BV=32, num_warps=4, num_stages=2)),
+                      (None, dict(BV=64, num_warps=4, num_stages=2))],
+    "kda_state_bwd": [(32, dict(BV=16, num_warps=4, num_stages=2)), (None, dict(BV=64, num_warps=4, num_stages=2))],
 }
 
 def walk_setting(name, n_walks):

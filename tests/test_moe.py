@@ -254,6 +254,42 @@ def test_quantile_through_the_layer_and_post_step():
     assert first <= 2 and max(maxvio[first:]) < 0.05      # measured: 0 (balanced in the first forward)
 
 
+def test_quantile_window_mean_and_warm_start():
+    "The stored bias is the mean of the last balance_window solutions; a training forward starts from the newest."
+    W = 4
+    bal = make_balancer(MoEConfig(n_experts=3, top_k=1, balancer="quantile", balance_window=W))
+    bal.sweeps = 0                                   # no solve: route_bias returns the point the solve starts from
+    scores, bias = torch.rand(10, 3), torch.tensor([0.5, -0.5, 0.0])
+    assert torch.equal(bal.route_bias(scores, bias), bias)            # nothing stored yet: the given bias
+    for step in range(1, W + 3):
+        bal.step_sum.copy_(torch.tensor([step, -step, 0.0]) * 2)
+        bal._n_obs = 2                                                # two forwards this step
+        bal.update(bias, torch.zeros(3))
+        recent = torch.arange(max(1, step - W + 1), step + 1).float()
+        assert torch.allclose(bias, torch.stack([recent.mean(), -recent.mean(), torch.tensor(0.0)])), step
+        assert torch.equal(bal.route_bias(scores, bias), torch.tensor([step, -step, 0.0]).float())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_quantile_layer_forward_never_waits_for_the_gpu():
+    "A training forward and post_step of a quantile LatentMoE make no host sync (sync debug mode raises on one)."
+    layer = LatentMoE(moe_model_cfg(n_experts=16, top_k=2, balancer="quantile", d_expert=16, n_shared=1), 0)
+    layer = layer.cuda().train()
+    x = torch.randn(512, 128, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        layer(x)                                     # first call: grouped_mm probe and Triton compiles may sync
+        layer.post_step()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            y = layer(x)
+            layer.post_step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(y).all()
+
+
 def test_step_rules():
     cfg = MoEConfig(n_experts=4, top_k=1, bias_update_rate=0.1)
     load = torch.tensor([10, 30, 20, 20])

@@ -67,3 +67,28 @@ def test_sweep_boundary_equals_two_kthvalues(ties):
     bias = 0.1 * torch.randn(16, generator=gen)
     torch.testing.assert_close(quantile_sweep(scores.to(DEV), bias.to(DEV), 3).cpu(), _sweep_two_selections(scores, bias, 3),
                                rtol=0, atol=1e-7)
+
+
+def _margins_torch(scores, bias, k):
+    "chapter 05's torch definition of the margins (the CPU path of layers.moe.quantile_margins)."
+    from moe_book.layers import moe
+    return moe.quantile_margins(scores.cpu(), bias.cpu(), k)
+
+
+@pytest.mark.parametrize("N,n,k", [(1, 8, 1), (70, 128, 8), (33, 100, 7), (129, 16, 3)])
+def test_fused_quantile_margins_equal_the_torch_definition(N, n, k):
+    "One Triton pass gives the same fp32 numbers as add, top-(k+1), scatter, subtract, transpose (ties included)."
+    from moe_book.kernels.moe_topk import quantile_margins
+    gen = torch.Generator().manual_seed(N + n + k)
+    scores = torch.rand(N, n, generator=gen)
+    scores[: N // 2] = (scores[: N // 2] * 4).round() / 4          # ties inside and across the top-k boundary
+    bias = (0.4 * torch.randn(n, generator=gen)).round() / 4        # quarter steps: biased sums stay exact, ties stay
+    got = quantile_margins(scores.to(DEV), bias.to(DEV), k)
+    assert got.shape == (n, N) and got.dtype == torch.float32
+    assert torch.equal(got.cpu(), _margins_torch(scores, bias, k))
+
+
+def test_fused_quantile_margins_reject_bad_shapes():
+    from moe_book.kernels.moe_topk import quantile_margins
+    with pytest.raises(ValueError, match="0 < k < n"):
+        quantile_margins(torch.rand(4, 8, device=DEV), torch.zeros(8, device=DEV), 8)

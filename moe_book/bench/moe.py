@@ -9,12 +9,13 @@ transformers' grouped_mm experts path, at the small config's shapes; writes resu
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from moe_book.config import ModelConfig, MoEConfig
-from moe_book.layers.moe import GroupedExperts, LatentMoE, expert_counts, quantile_bias, _grouped_mm_op
+from moe_book.layers.moe import GroupedExperts, LatentMoE, expert_counts, make_balancer, quantile_bias, _grouped_mm_op
 from moe_book.layers.base import _FUSED
 
 SHAPES = {"tokens": 32768, "d_model": 1024, "latent": 512, "experts": 128, "top_k": 8, "hidden": 256, "shared": 1}
@@ -106,7 +107,7 @@ def main(argv=None):
     def record(name, ms, flops):
         row = {"name": name, "ms": ms, "flops_fwd_bwd": flops, "tflops": flops / (ms * 1e-3) / 1e12 if flops else None}
         rows.append(row)
-        print(f"  {name:<34} {ms:8.3f} ms" + (f"  {row['tflops']:7.2f} TFLOP/s" if flops else ""), flush=True)
+        print(f"  {name:<44} {ms:8.3f} ms" + (f"  {row['tflops']:7.2f} TFLOP/s" if flops else ""), flush=True)
         return row
 
     # (1) the whole layer, fp32 master weights under bf16 autocast, as in training
@@ -126,6 +127,11 @@ def main(argv=None):
     layer_step()
     r_layer = record(f"LatentMoE layer ({a.act})", time_ms(layer_step, [x, *layer.parameters()], device),
                      3 * layer_flops(T, d, L, E, k, h, ns))
+    # the same layer as the small preset trains it: the quantile balancer solves this batch's bias in the forward
+    layer.balancer = make_balancer(replace(cfg.moe, balancer="quantile")).to(device)
+    r_layer_q = record(f"LatentMoE layer ({a.act}) + quantile solve", time_ms(layer_step, [x, *layer.parameters()],
+                                                                               device), 3 * layer_flops(T, d, L, E, k, h, ns))
+    layer.balancer = make_balancer(cfg.moe).to(device)
 
     # the router alone (fp32 GEMM, sigmoid, top-k) fwd+bwd: the part of the layer that is not bf16
     def router_step():
@@ -200,6 +206,7 @@ def main(argv=None):
         tf_version = None
     summary = {
         "fraction_of_grouped_mm": r_layer["tflops"] / r_bare["tflops"],
+        "fraction_of_grouped_mm_with_quantile_solve": r_layer_q["tflops"] / r_bare["tflops"],
         "experts_fraction_of_grouped_mm": r_bare["ms"] / r_ours["ms"],
         "speedup_vs_hf_experts": (r_hf["ms"] / r_ours["ms"]) if r_hf else None,
         "layer_tflops": r_layer["tflops"], "grouped_mm_tflops": r_bare["tflops"],
