@@ -457,3 +457,21 @@ def test_gpu_bench_moe_toy(tmp_path):
     from moe_book.bench.moe import main
     r = main(["--toy", "--out", str(tmp_path / "b.json")])
     assert r["summary"]["fraction_of_grouped_mm"] > 0
+
+
+def test_quantile_sweeps_diverge_when_over_relaxed():
+    "Chapter 05's claim: repeating the solve converges; stepping twice as far as each solve (factor 2) does not."
+    from moe_book.layers.moe import quantile_sweep, row_topk
+    gen = torch.Generator().manual_seed(0)
+    N, n, k = 8192, 64, 4
+    x, w = torch.randn(N, 64, generator=gen), torch.randn(n, 64, generator=gen) / 8
+    scores = torch.sigmoid(x @ w.T + 0.5 * torch.randn(n, generator=gen))
+
+    def maxvio_after(factor, sweeps=8):
+        b = torch.zeros(n)
+        for _ in range(sweeps):
+            b = b + factor * (quantile_sweep(scores, b, k) - b)
+            b = b - b.mean()
+        return load_stats(expert_counts(row_topk(scores + b, k)[1], n))["maxvio"]
+    plain, over = maxvio_after(1.0), maxvio_after(2.0)
+    assert plain < 0.02 and over > 1.0, (plain, over)
