@@ -17,14 +17,17 @@ def topk_rows_kernel(X, V, I, N, n, stride, K: tl.constexpr, BLOCK_R: tl.constex
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     cols = tl.arange(0, BLOCK_C)
     live = rows < N
-    x = tl.load(X + rows[:, None] * stride + cols[None, :], mask=live[:, None] & (cols[None, :] < n),
-                other=float("-inf")).to(tl.float32)
+    free = live[:, None] & (cols[None, :] < n)              # columns not picked yet (padding never is)
+    x = tl.load(X + rows[:, None] * stride + cols[None, :], mask=free, other=float("-inf")).to(tl.float32)
+    # NaN ranks last. After a bad step the scores can be NaN; the loss is then NaN too and the trainer rolls back,
+    # but only if no kernel crashed first on an out-of-range index (x == max is false everywhere for a NaN max).
+    x = tl.where(x != x, float("-inf"), x)
     for j in tl.static_range(K):
-        best = tl.max(x, axis=1)
-        first = tl.min(tl.where(x == best[:, None], cols[None, :], BLOCK_C), axis=1)   # lowest column holding it
+        best = tl.max(tl.where(free, x, float("-inf")), axis=1)
+        first = tl.min(tl.where(free & (x == best[:, None]), cols[None, :], BLOCK_C), axis=1)   # lowest such column
         tl.store(V + rows * K + j, best, mask=live)
         tl.store(I + rows * K + j, first.to(tl.int64), mask=live)
-        x = tl.where(cols[None, :] == first[:, None], float("-inf"), x)
+        free = free & (cols[None, :] != first[:, None])
 
 
 def topk_rows(x, k: int):

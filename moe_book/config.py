@@ -132,6 +132,8 @@ class TrainConfig:
     out_dir: str = "runs/tiny"
     live: str = "auto"            # rich live panel: "auto" (when stdout is a terminal), "on", "off"
     compile: bool = False
+    # "auto": on CUDA (unless compile) each step is one replayed CUDA graph (GraphedStep); "on" insists, "off" never
+    cuda_graph: str = "auto"
     # Safety: a non-finite loss or gradient norm, or a loss more than spike_zscore standard deviations above the
     # mean of the last spike_window good steps, rolls back to the last good state and skips that batch.
     spike_zscore: float = 6.0     # 0 turns the spike test off (non-finite values are always caught)
@@ -307,6 +309,9 @@ def validate(cfg: Config) -> Config:
     _check(t.lr > 0 and 0 <= t.min_lr_ratio <= 1, f"train.lr={t.lr}, train.min_lr_ratio={t.min_lr_ratio}: need lr > 0 and 0 <= min_lr_ratio <= 1")
     _check(t.device in ("auto", "cpu", "cuda"), f"train.device={t.device!r}: choose auto, cpu or cuda")
     _check(t.live in ("auto", "on", "off"), f"train.live={t.live!r}: choose auto, on or off")
+    _check(t.cuda_graph in ("auto", "on", "off"), f"train.cuda_graph={t.cuda_graph!r}: choose auto, on or off")
+    _check(not (t.cuda_graph == "on" and t.compile), "train.cuda_graph=on with train.compile=true: the step is "
+           "captured eagerly; set train.compile=false, or train.cuda_graph=auto (then compile wins)")
     _check(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip}: must be >= 0 (0 turns clipping off)")
     for name, val in [("train.eval_every", t.eval_every), ("train.eval_batches", t.eval_batches),
                       ("train.log_every", t.log_every), ("train.keep_ckpts", t.keep_ckpts),

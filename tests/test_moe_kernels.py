@@ -35,6 +35,16 @@ def test_topk_rows_ties_go_to_the_lower_index_and_strides_and_dtypes_work():
     assert v.dtype == torch.float16 and torch.equal(v, ref.values) and torch.equal(i, ref.indices)
 
 
+def test_topk_rows_nan_and_minus_inf_rows_give_k_distinct_valid_indices():
+    # After a bad optimizer step the router scores are NaN. The trainer catches the NaN loss and rolls back, but
+    # only if routing did not first hand a gather an out-of-range index (which kills the CUDA context).
+    nan, inf = float("nan"), float("inf")
+    x = torch.tensor([[nan] * 6, [-inf] * 6, [0.3, nan, 0.7, -inf, nan, 0.1]], device=DEV)
+    v, i = topk_rows(x, 4)
+    assert i.tolist() == [[0, 1, 2, 3], [0, 1, 2, 3], [2, 0, 5, 1]]   # NaN ranks last, ties to the lower index
+    assert v[2, :3].tolist() == pytest.approx([0.7, 0.3, 0.1]) and v[2, 3] == -inf
+
+
 def test_topk_rows_rejects_bad_shapes():
     with pytest.raises(ValueError, match="0 < k <= n"):
         topk_rows(torch.rand(4, 8, device=DEV), 9)

@@ -20,7 +20,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from moe_book.config import ConfigError, ModelConfig, MoEConfig
-from moe_book.layers.base import fused
+from moe_book.layers.base import fused, host_effect
 
 # %% ../../chapters/05_moe.ipynb #5f5c8c0b
 SITU_BETA_GATE = 4.0   # β1: soft cap of the gate branch
@@ -384,8 +384,11 @@ class QuantileBalancer(Balancer):
     def solve(self, scores, bias):
         b = quantile_bias(scores, bias, self.top_k, self.sweeps)
         self.step_sum += b
-        self._n_obs += 1
+        host_effect(self._count_solve)     # a Python counter: CUDA-graph replays must bump it too
         return b
+
+    def _count_solve(self):
+        self._n_obs += 1
 
     def route_bias(self, scores, bias):
         if not self.in_forward:
@@ -525,11 +528,14 @@ class LatentMoE(nn.Module):
                 self.score_stats[0] += scores.mean(0)
                 self.score_stats[1] += scores.std(0) if scores.shape[0] > 1 else 0
                 self.balancer.observe(scores.detach(), expert_idx, bias)
-            self._forwards += 1
+            host_effect(self._count_forward)
             self.aux_loss = self.balancer.loss(scores, expert_idx)
         else:
             self.aux_loss = None
         return y.view(*shape[:-1], y.shape[-1])
+
+    def _count_forward(self):
+        self._forwards += 1
 
     @torch.no_grad()
     def post_step(self):
