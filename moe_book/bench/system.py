@@ -113,8 +113,10 @@ def hf_kernels() -> dict:
 
 # %% ../../chapters/09_full_system.ipynb #7d5a8303
 def build_ours(cfg: Config, device):
+    """Our model and optimizer as the trainer makes them, the forward, and the trainer's step: a GraphedStep
+    where the trainer would use one (train.cuda_graph), else None (the eager `train_step`)."""
     from moe_book.model import CausalLM
-    from moe_book.train import make_optimizer
+    from moe_book.train import GraphedStep, make_optimizer, use_cuda_graph
     torch.manual_seed(0)
     with torch.device(device):
         model = CausalLM(cfg.model)
@@ -123,7 +125,16 @@ def build_ours(cfg: Config, device):
 
     def forward(x):
         return model(x, x)[1]     # next-token targets would shift by one; the same tokens cost the same FLOPs
-    return model, opt, forward
+    step = None
+    if use_cuda_graph(cfg, device):
+        graphed = GraphedStep(model, model.parameters(), opt, lambda: torch.autocast(device.type, dtype=torch.bfloat16),
+                              clip=1.0)
+
+        def step(x):
+            loss, _ = graphed(x, x)
+            model.post_step()
+            return loss
+    return model, opt, forward, step
 
 
 def build_hf(mc: ModelConfig, device, lr: float = 1e-3, bf16_params: bool = False):
@@ -161,20 +172,22 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def measure(model, opt, forward, x, device, warmup: int, steps: int, log=print) -> dict:
-    "Warm-up steps (autotuning, allocator), then `steps` timed steps with one sync at the end."
+def measure(model, opt, forward, x, device, warmup: int, steps: int, log=print, step=None) -> dict:
+    """Warm-up steps (autotuning, allocator, a CUDA-graph capture), then `steps` timed steps with one sync at the
+    end. `step(x)` -> loss replaces the eager `train_step` (build_ours gives the trainer's GraphedStep)."""
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    step = step or (lambda x: train_step(model, opt, forward, x, autocast))
     first = None
     for i in range(warmup):
         t0 = time.perf_counter()
-        loss = train_step(model, opt, forward, x, autocast)
+        loss = step(x)
         _sync(device)
         first = loss.item() if first is None else first
         log(f"    warm-up step {i + 1}/{warmup}: loss {loss.item():.3f}, {time.perf_counter() - t0:.2f} s")
     _sync(device)
     t0 = time.perf_counter()
     for _ in range(steps):
-        loss = train_step(model, opt, forward, x, autocast)
+        loss = step(x)
     _sync(device)
     sec = (time.perf_counter() - t0) / steps
     last = loss.item()
@@ -249,10 +262,11 @@ def run_system(name: str, build, cfg_of_row, device, x, warmup: int, steps: int,
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        model, opt, forward, extra = build()
+        model, opt, forward, step, extra = build()
         row.update(extra)
+        row["cuda_graph"] = step is not None
         row["build_s"] = time.perf_counter() - t0
-        row.update(measure(model, opt, forward, x, device, warmup, steps, log))
+        row.update(measure(model, opt, forward, x, device, warmup, steps, log, step))
         if device.type == "cuda":
             row["peak_mem_gib"] = torch.cuda.max_memory_allocated() / 2**30
         mc, counts = cfg_of_row(model)
@@ -333,8 +347,7 @@ def main(argv=None):
 
     def ours(cfg):
         def build():
-            model, opt, fwd = build_ours(cfg, device)
-            return model, opt, fwd, {}
+            return (*build_ours(cfg, device), {})
         return build
 
     def ours_counts(cfg):
@@ -348,7 +361,7 @@ def main(argv=None):
                                    "not the peer this bench compares with. Install fla-core 0.6.0 (on the offline GPU, "
                                    "carry the wheel) or pass --allow-hf-fallback")
             model, opt, fwd = build_hf(cfg_b.model, device, bf16_params=bf16_params)
-            return model, opt, fwd, {
+            return model, opt, fwd, None, {
                 "hf_experts_implementation": getattr(model.config, "_experts_implementation", None),
                 "hf_attn_implementation": getattr(model.config, "_attn_implementation", None),
                 "hf_tied_embeddings": model.lm_head.weight is model.get_input_embeddings().weight,
