@@ -102,3 +102,34 @@ def test_fused_quantile_margins_reject_bad_shapes():
     from moe_book.kernels.moe_topk import quantile_margins
     with pytest.raises(ValueError, match="0 < k < n"):
         quantile_margins(torch.rand(4, 8, device=DEV), torch.zeros(8, device=DEV), 8)
+
+
+def _midpoints_two_topk(margin, share):
+    "The sweep's boundary as torch writes it: the share+1 largest, then the two smallest of those."
+    edge = torch.topk(margin, share + 1, dim=-1, sorted=False).values
+    last_out, first_in = torch.topk(edge, 2, dim=-1, largest=False).values.unbind(-1)
+    return -(last_out + first_in) / 2
+
+
+@pytest.mark.parametrize("n,N,share", [(3, 10, 1), (4, 100, 9), (5, 257, 31), (2, 64, 63), (6, 2048, 128)])
+def test_boundary_midpoints_equal_two_topk_selections(n, N, share):
+    "Bisection on the float bits finds the same order statistics as torch.topk: ties, signed zeros, infinities."
+    from moe_book.kernels.moe_topk import boundary_midpoints
+    gen = torch.Generator().manual_seed(n * N + share)
+    m = torch.randn(n, N, generator=gen) * 3
+    m[0, : N // 2] = (m[0, : N // 2] * 2).round() / 2               # ties, also across the boundary
+    m[1, ::2], m[1, 1::3] = 0.0, -0.0                                # a row of zeros of both signs
+    if n > 2:
+        m[2, :share] = float("inf")                                  # the experts' top margins can be infinite
+        m[2, -1] = float("-inf")
+    got = boundary_midpoints(m.to(DEV), share).cpu()
+    assert got.dtype == torch.float32 and got.shape == (n,)
+    assert torch.equal(got, _midpoints_two_topk(m, share))
+
+
+def test_boundary_midpoints_reject_bad_shapes():
+    from moe_book.kernels.moe_topk import BOUNDARY_MAX_TOKENS, boundary_midpoints
+    with pytest.raises(ValueError, match="0 < share < N"):
+        boundary_midpoints(torch.rand(4, 8, device=DEV), 8)
+    with pytest.raises(ValueError, match=str(BOUNDARY_MAX_TOKENS)):
+        boundary_midpoints(torch.empty(1, BOUNDARY_MAX_TOKENS + 1, device=DEV), 4)

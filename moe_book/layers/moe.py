@@ -346,12 +346,16 @@ def quantile_sweep(scores, bias, top_k: int):
         return bias - bias.mean()              # every expert takes every token / nothing to learn from
     margin = quantile_margins(scores, bias, top_k)
     share = min(max(round(N * top_k / n), 1), N - 1)                   # tokens each expert should get
-    # One selection for both sides of each expert's boundary: of its share+1 largest margins, the smallest is the
-    # largest left out and the next the smallest let in (equal when tied). Unsorted top-k is a multi-block radix
-    # select on CUDA, ~2x faster than kthvalue's one block per expert.
-    edge = torch.topk(margin, share + 1, dim=-1, sorted=False).values
-    last_out, first_in = torch.topk(edge, 2, dim=-1, largest=False).values.unbind(-1)
-    target = -(last_out + first_in) / 2        # halfway, so ties straddling the boundary resolve the same way
+    # Both sides of each expert's boundary from one selection: of its share+1 largest margins, the smallest is the
+    # largest left out and the next the smallest let in (equal when tied). The target is halfway between them, so
+    # ties straddling the boundary resolve the same way.
+    from moe_book.kernels.moe_topk import BOUNDARY_MAX_TOKENS, boundary_midpoints
+    if margin.is_cuda and N <= BOUNDARY_MAX_TOKENS:   # the same numbers, one kernel instead of two radix selects
+        target = boundary_midpoints(margin, share)
+    else:
+        edge = torch.topk(margin, share + 1, dim=-1, sorted=False).values
+        last_out, first_in = torch.topk(edge, 2, dim=-1, largest=False).values.unbind(-1)
+        target = -(last_out + first_in) / 2
     return target - target.mean()
 
 
