@@ -374,7 +374,11 @@ def test_two_phase_equals_one_read_at_a_time(S):
         torch.testing.assert_close(x, y, rtol=0, atol=1e-12)
     torch.testing.assert_close(a.depth_weights(), b.depth_weights(), rtol=0, atol=1e-12, equal_nan=True)
     assert ma == mb == a.n_blocks + 1                   # the carried state is the same; the cache is extra
-    assert b.cache_vectors(b.begin(e)) == S - 1        # readers 1 .. S-1 of the first block (reader 0 needs none)
+    assert b.cache_vectors(b.begin(e)) == 0            # the first block's mixes are views of the embedding
+    state = b.begin(e)
+    for i in range(S):
+        state = b.write(state, i, outs[i])
+    assert b.cache_vectors(state) == min(S, len(outs) + 1 - S)   # one mix per reader of the second block
     assert a.cache_vectors(a.begin(e)) == 0
 
 

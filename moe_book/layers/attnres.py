@@ -230,7 +230,11 @@ class BlockAttnRes(_Readers):
         if last > k0:
             W = torch.stack([self.query(k) for k in range(k0, last)], dim=-1).to(rinv.dtype)   # (d, q)
             logits = (blocks.to(rinv.dtype) @ W) * rinv                                         # (B, T, n, q)
-            if self._two_phase(blocks):
+            if self._two_phase(blocks) and blocks.shape[-2] == 1:
+                # One completed block (the embedding): every reader's softmax over it is exactly 1, so its mix is the
+                # block itself and its log-normaliser its logit. Views, not q copies of the embedding.
+                mixes, lse = (blocks[..., 0, :].to(rinv.dtype),) * (last - k0), logits[..., 0, :]
+            elif self._two_phase(blocks):
                 U, lse = (compiled(block_open_mixes_fusable) if self._fused(blocks) else block_open_mixes)(logits, blocks)
                 mixes = U.unbind(-2)        # separate tensors, so each read's gradient is not a scatter into U
         return BlockState(blocks, rinv, logits, k0, None, count, mixes, lse)
@@ -300,5 +304,9 @@ class BlockAttnRes(_Readers):
 
     @staticmethod
     def cache_vectors(state: BlockState) -> int:
-        "d-vectors per token of the two-phase cache (the current block's mixes; 0 on the one-read-at-a-time path)."
-        return 0 if state.mixes is None else len(state.mixes)
+        """d-vectors per token of the two-phase cache: the current block's mixes that are not views of the blocks
+        (0 on the one-read-at-a-time path, and in the first block, whose mixes are the embedding itself)."""
+        if state.mixes is None:
+            return 0
+        blocks = state.blocks.untyped_storage().data_ptr()
+        return len({m.data_ptr() for m in state.mixes if m.untyped_storage().data_ptr() != blocks})
