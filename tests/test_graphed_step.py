@@ -54,9 +54,9 @@ def _run_pair(tiny_data, tmp_path, extra=()):
     out = {}
     for mode in ("off", "on"):
         d = tmp_path / mode
-        # The fused SDPA backward kernels accumulate dq with atomics, so two eager runs can differ in the last bit
-        # (one run of `make test-gpu` out of several did); the math backend is deterministic, which leaves the graph
-        # as the only thing that could make the two runs differ.
+        # The fused SDPA backward kernels accumulate dq with atomics, so two eager runs can differ in the last bit:
+        # the likeliest reason one full `make test-gpu` run failed this bitwise check, which passes alone. The math
+        # backend is deterministic, which leaves the graph as the only thing that could make the two runs differ.
         with sdpa_kernel(SDPBackend.MATH):
             s = T.train(get_config("tiny", over + [f"train.out_dir={d}", f"train.cuda_graph={mode}"]), verbose=False)
         (d / "cli.json").write_text(json.dumps(over + [f"train.cuda_graph={mode}"]))
