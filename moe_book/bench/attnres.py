@@ -79,18 +79,37 @@ BENCH_ARMS = {"plain": ["model.residual=plain"], "block_attnres": ["model.residu
 
 def step_time(cfg, device, steps: int = 10, warmup: int = 3, fused=None, two_phase=None) -> dict:
     """Median ms of one training step (fwd + bwd + clip + AdamW, bf16 autocast on CUDA) and peak memory, random
-    tokens. `fused`/`two_phase` set BlockAttnRes's path (None: its defaults); warmup steps absorb compilation."""
+    tokens, run the way the trainer runs it: one replayed CUDA graph where the trainer would use one
+    (train.cuda_graph; an eager step on this host is partly launch-bound, chapter 09), else eager. `fused`/`two_phase`
+    set BlockAttnRes's path (None: its defaults); warmup steps absorb compilation and the graph capture."""
+    from moe_book.train import GraphedStep, make_optimizer, use_cuda_graph
     torch.manual_seed(cfg.train.seed)
     model = CausalLM(cfg.model).to(device)
     if fused is not None:
         model.residual.fused = fused
     if two_phase is not None:
         model.residual.two_phase = two_phase
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    opt = make_optimizer(model, cfg, device)
     B, T = cfg.train.batch_size, cfg.train.seq_len
     x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), device=device)
-    idx, tgt = x[:, :-1], x[:, 1:]
-    amp = torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
+    idx, tgt = x[:, :-1], x[:, 1:].contiguous()
+    amp = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    graphed = use_cuda_graph(cfg, device)
+    if graphed:
+        run = GraphedStep(model, model.parameters(), opt, amp, clip=1.0)
+
+        def step():
+            run(idx, tgt)
+            model.post_step()
+    else:
+        def step():
+            with amp():
+                _, loss = model(idx, tgt)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            model.post_step()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for i in range(warmup + steps):
@@ -98,18 +117,14 @@ def step_time(cfg, device, steps: int = 10, warmup: int = 3, fused=None, two_pha
             torch.cuda.reset_peak_memory_stats()
         sync()
         t0 = time.perf_counter()
-        with amp:
-            _, loss = model(idx, tgt)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        step()
         sync()
         if i >= warmup:
             times.append((time.perf_counter() - t0) * 1e3)
-    out = {"ms": sorted(times)[len(times) // 2], "ms_all": times, "tokens_per_s": B * T / (sorted(times)[len(times) // 2] / 1e3),
+    median = sorted(times)[len(times) // 2]
+    out = {"ms": median, "ms_all": times, "tokens_per_s": B * T / (median / 1e3), "cuda_graph": graphed,
            "params": model.num_params(), "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
-    del model, opt
+    del model, opt, step
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
