@@ -208,13 +208,14 @@ class BlockAttnRes(_Readers):
     `block_sublayers=1` is full AttnRes; a block spanning all 2L sublayers is the plain residual up to a factor 1/2
     that the readers' RMSNorm removes (see chapter 04). `fused`: run the depth mixing through torch.compile (None:
     on CUDA). `two_phase`: mix the completed blocks for all readers of a block at once when it opens (None: when
-    fused)."""
+    fused). `triton_mixes`: on CUDA, those mixes through moe_book.kernels.attnres_mix instead of torch.compile."""
 
     def __init__(self, cfg: ModelConfig, block_sublayers: int = None, fused: Optional[bool] = None,
-                 two_phase: Optional[bool] = None):
+                 two_phase: Optional[bool] = None, triton_mixes: bool = False):
         super().__init__(cfg)
         self.fused = DEFAULT_FUSED if fused is None else fused
         self.two_phase = DEFAULT_TWO_PHASE if two_phase is None else two_phase
+        self.triton_mixes = triton_mixes
         S = 2 * cfg.attnres_block if block_sublayers is None else block_sublayers
         if not isinstance(S, int) or S < 1:
             raise ValueError(f"BlockAttnRes: block_sublayers={S!r} must be a positive number of sublayers "
@@ -235,9 +236,15 @@ class BlockAttnRes(_Readers):
                 # block itself and its log-normaliser its logit. Views, not q copies of the embedding.
                 mixes, lse = (blocks[..., 0, :].to(rinv.dtype),) * (last - k0), logits[..., 0, :]
             elif self._two_phase(blocks):
-                U, lse = (compiled(block_open_mixes_fusable) if self._fused(blocks) else block_open_mixes)(logits, blocks)
+                U, lse = self._block_mixes(logits, blocks)
                 mixes = U.unbind(-2)        # separate tensors, so each read's gradient is not a scatter into U
         return BlockState(blocks, rinv, logits, k0, None, count, mixes, lse)
+
+    def _block_mixes(self, logits, blocks):
+        if self.triton_mixes and blocks.is_cuda and logits.dtype == torch.float32:
+            from moe_book.kernels.attnres_mix import block_open_mixes_triton
+            return block_open_mixes_triton(logits, blocks)
+        return (compiled(block_open_mixes_fusable) if self._fused(blocks) else block_open_mixes)(logits, blocks)
 
     def _fused(self, x) -> bool:
         return x.is_cuda if self.fused is None else self.fused

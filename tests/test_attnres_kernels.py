@@ -1,0 +1,74 @@
+"""Chapter 04's Triton block mixes (moe_book.kernels.attnres_mix) against the torch definition, forward and both
+gradients. CPU: Triton's interpreter (set below, before triton is imported); with CUDA the same tests on the GPU."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from moe_book.config import get_config  # noqa: E402
+from moe_book.kernels.attnres_mix import block_open_mixes_triton  # noqa: E402
+from moe_book.layers.attnres import BlockAttnRes, block_open_mixes  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _rel(a, b):
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("B,T,n,q,d", [(1, 3, 1, 1, 16), (2, 5, 2, 3, 200), (1, 7, 3, 8, 64), (2, 3, 5, 8, 130)])
+def test_triton_mixes_equal_block_open_mixes(B, T, n, q, d):
+    """Forward and both gradients against block_open_mixes in fp64. Tolerance: fp32 sums of n products (forward) and
+    of d products (the weights' gradient), a few ulps of fp32 relative to the largest value."""
+    gen = torch.Generator().manual_seed(B * T * n * q + d)
+    logits = (2 * torch.randn(B, T, n, q, generator=gen)).to(DEV).requires_grad_()
+    blocks = torch.randn(B, T, n, d, generator=gen).to(DEV).requires_grad_()
+    dU, dlse = torch.randn(B, T, q, d, generator=gen).to(DEV), torch.randn(B, T, q, generator=gen).to(DEV)
+    U, lse = block_open_mixes_triton(logits, blocks)
+    assert U.shape == (B, T, q, d) and lse.shape == (B, T, q) and U.dtype == lse.dtype == torch.float32
+    gl, gb = torch.autograd.grad((U * dU).sum() + (lse * dlse).sum(), (logits, blocks))
+    l64, b64 = logits.detach().double().requires_grad_(), blocks.detach().double().requires_grad_()
+    U_ref, lse_ref = block_open_mixes(l64, b64)
+    gl_ref, gb_ref = torch.autograd.grad((U_ref * dU.double()).sum() + (lse_ref * dlse.double()).sum(), (l64, b64))
+    for got, ref in ((U, U_ref), (lse, lse_ref), (gl, gl_ref), (gb, gb_ref)):
+        assert _rel(got, ref) < 1e-6
+
+
+def test_triton_mixes_bf16_blocks_and_bad_shapes():
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(1, 4, 2, 3, generator=gen).to(DEV)
+    blocks = torch.randn(1, 4, 2, 32, generator=gen).to(DEV, torch.bfloat16).requires_grad_()
+    U, _ = block_open_mixes_triton(logits, blocks)
+    assert _rel(U, block_open_mixes(logits.double(), blocks.double())[0]) < 1e-6    # bf16 values, fp32 math
+    (g,) = torch.autograd.grad(U.sum(), blocks)
+    assert g.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"\(B, T, n, q\) fp32"):
+        block_open_mixes_triton(logits.double(), blocks)
+    with pytest.raises(ValueError, match="same"):
+        block_open_mixes_triton(logits, blocks[:, :, :1])
+
+
+@pytest.mark.gpu
+def test_block_attnres_with_triton_mixes_matches_the_default_path():
+    cfg = get_config("tiny", ["model.n_layers=4", "model.d_model=64", "model.attnres_block=1"]).model
+    torch.manual_seed(0)
+    a, b = BlockAttnRes(cfg).cuda(), BlockAttnRes(cfg, triton_mixes=True).cuda()
+    for q in a.queries:
+        torch.nn.init.normal_(q, std=0.5)
+    b.load_state_dict(a.state_dict())
+    e = torch.randn(2, 16, 64, device="cuda", requires_grad=True)
+    outs = [torch.randn(2, 16, 64, device="cuda") for _ in range(8)]
+    res = []
+    for r in (a, b):
+        st, reads = r.begin(e), []
+        for i, o in enumerate(outs):
+            reads.append(r.read(st, i))
+            st = r.write(st, i, o)
+        y = torch.stack(reads + [r.end(st)])
+        res.append((y, torch.autograd.grad(y.square().sum(), [e, *r.queries])))
+    assert _rel(res[1][0], res[0][0]) < 1e-5
+    for ga, gb in zip(res[0][1], res[1][1]):
+        assert _rel(gb, ga) < 1e-4
