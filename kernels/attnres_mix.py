@@ -3,7 +3,7 @@
 # %% auto #0
 __all__ = ['block_mixes_fwd_kernel', 'block_mixes_bwd_kernel', 'block_open_mixes_triton']
 
-# %% ../chapters/04_attnres.ipynb #5e1b6d12
+# %% ../chapters/04_attnres.ipynb #42bf49fe
 """Block AttnRes's block mixes as Triton kernels (chapter 04): `block_open_mixes_triton(logits, blocks)` is
 `moe_book.layers.attnres.block_open_mixes` — for every reader q of the coming block the softmax over the n
 completed blocks, U[q] = sum_i a[i, q] v_i, and its log-normaliser — forward and backward, each one pass over the

@@ -34,9 +34,20 @@ def targets(nb: Path) -> set:
     return set(re.findall(r"#\s*\|\s*(?:default_exp|export|exporti)\s+([\w.]+)", text))
 
 
+def check_cell_ids(nb: Path):
+    "The exported files name each cell by its id; a cell without one gets a random id, and the export drifts."
+    import json
+    missing = [i for i, c in enumerate(json.loads(nb.read_text())["cells"]) if "id" not in c]
+    if missing:
+        sys.exit(f"export: {nb.name} has cells without an id (cells {missing}), which makes every export differ; "
+                 f"give them ids once, e.g. python -c \"import nbformat as n; n.write(n.read('{nb}', 4), '{nb}')\", "
+                 f"and export again")
+
+
 def main(notebooks):
     owner = {}
     for nb in notebooks:
+        check_cell_ids(nb)
         for mod in targets(nb):
             if mod in owner and owner[mod] != nb:
                 sys.exit(f"export: module {mod} is exported by both {owner[mod].name} and {nb.name}; "
