@@ -88,8 +88,8 @@ class GraphedStep:
         return loss.detach(), grad_norm.detach()
 
     def reset(self):
-        self.graph = self.effects = None
-        self.opt.zero_grad(set_to_none=True)      # drops the last references into the old graph's memory
+        self.graph = self.effects = self.loss = self.grad_norm = None   # the last references into the old graph's
+        self.opt.zero_grad(set_to_none=True)                            # memory pool, so empty_cache can free it
 
     def _capture(self, x, y):
         for g in self.opt.param_groups:          # a float learning rate would be frozen into the graph
@@ -103,6 +103,12 @@ class GraphedStep:
         try:
             with torch.cuda.graph(graph):
                 self.loss, self.grad_norm = self._body(self.x, self.y, self.scale)
+        except RuntimeError as e:                # CUDA's own message names the operation, not the cause
+            raise ConfigError(
+                f"train.cuda_graph: the training step could not be captured as a CUDA graph ({type(e).__name__}: "
+                f"{str(e).strip()[:300]}). Something in the step makes the host wait for the GPU (a .item(), "
+                f".tolist() or .cpu() in a forward; the MoE layer's grouped-GEMM fallback loop does this). Train "
+                f"with train.cuda_graph=off: the eager step computes the same numbers") from e
         finally:
             record_host_effects(before)
         self.graph, self.effects = graph, effects
@@ -209,7 +215,17 @@ def train_state(model, opt, sched, step: int, cfg: Config, guard=None) -> dict:
 # %% ../chapters/00_foundations.ipynb #4e10ca82
 def restore_state(state: dict, model, opt, sched):
     from torch.distributed.checkpoint.state_dict import set_state_dict
+    capturable = [g.get("capturable", False) for g in opt.param_groups]
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # Loading also loads the saved run's optimizer flags. Keep this run's: a checkpoint written by an eager run can
+    # resume as a graphed one (capturable: step counts on the GPU) and the other way round.
+    for group, cap in zip(opt.param_groups, capturable):
+        group["capturable"] = cap
+        for p in group["params"]:
+            st = opt.state.get(p, {})
+            if "step" in st:                     # where torch's AdamW expects its step count for these flags
+                on_device = cap or group.get("fused")
+                st["step"] = st["step"].to(device=p.device if on_device else "cpu", dtype=torch.float32)
     base_lrs = list(sched.base_lrs)
     sched.load_state_dict(state["sched"])
     # The peak learning rate comes from the config, not the checkpoint, so a run stopped by divergence can go on

@@ -99,3 +99,50 @@ def test_graphed_rollback_recaptures_and_continues_like_eager(tiny_data, tmp_pat
     worst = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(rows_on, rows_off))
     print(f"graphed vs eager after a rollback: worst relative loss difference {worst:.2e}")
     assert worst == 0.0
+
+
+
+def _resume_with_flags(saved_capturable, run_capturable, device):
+    from moe_book.model import CausalLM
+    from moe_book.train import lr_lambda, restore_state, train_state
+    cfg = get_config("tiny", ["model.n_layers=1", "model.d_model=32", "model.n_heads=2", "model.vocab_size=64"])
+
+    def setup(capturable):
+        torch.manual_seed(0)
+        model = CausalLM(cfg.model).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, capturable=capturable)
+        return model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg, 10))
+
+    model, opt, sched = setup(False)               # stepped eagerly
+    idx = torch.randint(0, 64, (2, 8), device=device)
+    model(idx, idx)[1].backward()
+    opt.step()
+    sched.step()
+    state = train_state(model, opt, sched, 1, cfg)
+    for g in state["optim"]["param_groups"]:
+        g["capturable"] = saved_capturable        # as the saving run had it
+    model2, opt2, sched2 = setup(run_capturable)
+    assert restore_state(state, model2, opt2, sched2) == 1
+    assert all(g["capturable"] is run_capturable for g in opt2.param_groups)
+    steps = [st["step"] for st in opt2.state.values()]
+    where = device if run_capturable else "cpu"
+    assert steps and all(s.device.type == where and s.dtype == torch.float32 and s.item() == 1 for s in steps)
+    for k, v in opt.state_dict()["state"].items():   # and the moments arrived unchanged
+        assert torch.equal(v["exp_avg"], opt2.state_dict()["state"][k]["exp_avg"])
+    return model2, opt2
+
+
+def test_resume_keeps_this_runs_optimizer_flags():
+    """A checkpoint carries its optimizer's flags. Restoring must keep the resuming run's `capturable` and leave
+    AdamW's step counts where AdamW with that flag expects them: here a graphed run's checkpoint resumed eagerly
+    on the CPU (the other way round needs a GPU: capturable AdamW cannot even initialise on a CPU)."""
+    _resume_with_flags(saved_capturable=True, run_capturable=False, device="cpu")
+
+
+@pytest.mark.gpu
+def test_eager_checkpoint_resumes_as_a_graphed_run():
+    model, opt = _resume_with_flags(saved_capturable=False, run_capturable=True, device="cuda")
+    idx = torch.randint(0, 64, (2, 8), device="cuda")
+    model(idx, idx)[1].backward()
+    opt.step()                                    # a capturable step: it would assert on CPU step counts
+    assert all(st["step"].item() == 2 for st in opt.state.values())

@@ -100,6 +100,7 @@ def step_time(cfg, device, steps: int = 10, warmup: int = 3, fused=None, two_pha
     graphed = use_cuda_graph(cfg, device)
     if graphed:
         run = GraphedStep(model, model.parameters(), opt, amp, clip=1.0)
+        warmup = max(warmup, run.warmup + 1)     # its eager warm-up calls and the capture are never timed
 
         def step():
             run(idx, tgt)
@@ -116,7 +117,9 @@ def step_time(cfg, device, steps: int = 10, warmup: int = 3, fused=None, two_pha
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for i in range(warmup + steps):
-        if i == warmup and device.type == "cuda":
+        # Peak memory from the first step when graphed: the capture is where a step's activations are allocated
+        # (a replay allocates nothing); eager, after the warm-up (compilation's workspaces are not the step's).
+        if i == (0 if graphed else warmup) and device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         sync()
         t0 = time.perf_counter()

@@ -134,6 +134,7 @@ def build_ours(cfg: Config, device):
             loss, _ = graphed(x, x)
             model.post_step()
             return loss
+        step.untimed = graphed.warmup + 1       # eager warm-up calls, then the capture: none of them may be timed
     return model, opt, forward, step
 
 
@@ -176,6 +177,7 @@ def measure(model, opt, forward, x, device, warmup: int, steps: int, log=print, 
     """Warm-up steps (autotuning, allocator, a CUDA-graph capture), then `steps` timed steps with one sync at the
     end. `step(x)` -> loss replaces the eager `train_step` (build_ours gives the trainer's GraphedStep)."""
     autocast = lambda: torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda")
+    warmup = max(warmup, getattr(step, "untimed", 0))
     step = step or (lambda x: train_step(model, opt, forward, x, autocast))
     first = None
     for i in range(warmup):
