@@ -83,7 +83,7 @@ def step_time(cfg, device, steps: int = 10, warmup: int = 3, fused=None, two_pha
     (train.cuda_graph; an eager step on this host is partly launch-bound, chapter 09), else eager. `fused`/`two_phase`
     set BlockAttnRes's path (None: its defaults), `triton_mixes` its block mixes kernel; warmup steps absorb
     compilation and the graph capture."""
-    from moe_book.train import GraphedStep, make_optimizer, use_cuda_graph
+    from moe_book.train import GraphedStep, make_optimizer, training_step, use_cuda_graph
     torch.manual_seed(cfg.train.seed)
     model = CausalLM(cfg.model).to(device)
     if fused is not None:
@@ -107,11 +107,7 @@ def step_time(cfg, device, steps: int = 10, warmup: int = 3, fused=None, two_pha
             model.post_step()
     else:
         def step():
-            with amp():
-                _, loss = model(idx, tgt)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
+            training_step(model, model.parameters(), opt, amp, 1.0, idx, tgt)
             opt.zero_grad(set_to_none=True)
             model.post_step()
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
