@@ -9,7 +9,8 @@ from moe_book.layers.moe import LatentMoE
 dev = torch.device("cuda")
 x = torch.randint(0, 32768, (8, 4096), device=dev)
 ac = lambda: torch.autocast("cuda", dtype=torch.bfloat16)
-model, opt, fwd = build_ours(every_piece("small"), dev)
+# eager, as when the numbers in results/step_cuda_graph.json were taken (build_ours now also returns the graphed step)
+model, opt, fwd, _ = build_ours(every_piece("small", ["train.cuda_graph=off"]), dev)
 moes = [m for m in model.modules() if isinstance(m, LatentMoE)]
 r = measure(model, opt, fwd, x, dev, warmup=3, steps=10, log=lambda *a: None)
 print("eager", r, flush=True)
