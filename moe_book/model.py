@@ -56,6 +56,9 @@ class PlainResidual(nn.Module):
     def read(self, state, i: int):  # input of sublayer i (before its pre-norm)
         return state
 
+    def read_normed(self, state, i: int, norm):   # what sublayer i gets: its pre-norm of read(state, i)
+        return norm(self.read(state, i))
+
     def write(self, state, i: int, out):
         return state + out
 
@@ -115,8 +118,8 @@ class CausalLM(nn.Module):
         state = self.residual.begin(x)
         for i, blk in enumerate(self.layers):
             kw = {} if cache is None else {"cache": cache[i]}
-            state = self.residual.write(state, 2 * i, blk.mixer(blk.mixer_norm(self.residual.read(state, 2 * i)), **kw))
-            state = self.residual.write(state, 2 * i + 1, blk.ffn(blk.ffn_norm(self.residual.read(state, 2 * i + 1))))
+            state = self.residual.write(state, 2 * i, blk.mixer(self.residual.read_normed(state, 2 * i, blk.mixer_norm), **kw))
+            state = self.residual.write(state, 2 * i + 1, blk.ffn(self.residual.read_normed(state, 2 * i + 1, blk.ffn_norm)))
         return self.norm(self.residual.end(state))
 
     def forward(self, idx, targets=None, cache=None):

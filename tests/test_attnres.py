@@ -217,8 +217,9 @@ def test_saved_tensor_bytes_grow_with_blocks_not_layers():
         stacks = {}
 
         def pack(t):
-            if t.dim() == 4 and t.shape[-1] == 64:            # (B, T, n, d): a stack of block summaries
-                s = t.untyped_storage()
+            s = t.untyped_storage()
+            # an activation (not the (d, Q) stack of queries) whose storage holds more than one (B, T, d): block stacks
+            if t.dim() >= 3 and s.nbytes() > e.numel() * 4:
                 stacks[s.data_ptr()] = s.nbytes()
             return t
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -399,3 +400,34 @@ def test_two_phase_in_the_model_matches_and_trains():
     torch.testing.assert_close(out[False][0], out[True][0], rtol=1e-5, atol=1e-5)
     for ga, gb in zip(out[False][1], out[True][1]):
         assert ((ga - gb).norm() / ga.norm().clamp_min(1e-12)).item() < 1e-4
+
+
+def test_fused_code_path_with_merge_and_norm_in_one_function(monkeypatch):
+    """The CUDA path's Python (two-phase, the partial merged and the pre-norm applied by merge_partial_normed through
+    read_normed) run on the CPU with torch.compile replaced by the eager function: the same logits, gradients and
+    recorded depth weights as the eager one-read-at-a-time path. fp64, so only summation order differs."""
+    import moe_book.layers.attnres as attnres
+    monkeypatch.setattr(attnres, "compiled", lambda fn: fn)
+    calls = []
+    merge_normed = attnres.merge_partial_normed
+    monkeypatch.setattr(attnres, "merge_partial_normed", lambda *a: calls.append(1) or merge_normed(*a))
+    torch.manual_seed(0)
+    cfg = tiny_config(["model.d_model=32", "model.n_heads=2", "model.vocab_size=256", "model.mixer=attn",
+                       "model.global_mixer=attn", "model.residual=block_attnres", "model.attnres_block=1"]).model
+    model = CausalLM(cfg).double()
+    randomize(model.residual, seed=5, scale=0.3)
+    idx = torch.randint(0, 256, (2, 16))
+    out = {}
+    for fused in (False, True):
+        model.residual.fused = model.residual.two_phase = fused
+        model.residual.record = True
+        model.zero_grad()
+        logits, loss = model(idx, idx)
+        loss.backward()
+        out[fused] = (logits.detach(), [p.grad.clone() for p in model.parameters()], model.residual.depth_weights())
+    # attnres_block=1: blocks of 2 sublayers, so sublayers 1, 3, 5, ... merge their block's partial sum
+    assert len(calls) == cfg.n_layers
+    torch.testing.assert_close(out[False][0], out[True][0], rtol=0, atol=1e-10)
+    for ga, gb in zip(out[False][1], out[True][1]):
+        torch.testing.assert_close(ga, gb, rtol=0, atol=1e-10)
+    torch.testing.assert_close(out[False][2], out[True][2], rtol=0, atol=1e-12, equal_nan=True)

@@ -2,7 +2,8 @@
 
 # %% auto #0
 __all__ = ['DEFAULT_FUSED', 'DEFAULT_TWO_PHASE', 'rms_normalize', 'depth_attention', 'AttnRes', 'block_mix', 'block_mix_fusable',
-           'block_open_mixes', 'block_open_mixes_fusable', 'merge_partial', 'compiled', 'BlockState', 'BlockAttnRes']
+           'block_open_mixes', 'block_open_mixes_fusable', 'merge_partial', 'merge_partial_normed', 'compiled',
+           'BlockState', 'BlockAttnRes']
 
 # %% ../../chapters/04_attnres.ipynb #1cd34e58
 """Attention Residuals (chapter 04): the input of each sublayer is a softmax over depth of earlier outputs,
@@ -14,6 +15,7 @@ import torch
 import torch.nn as nn
 
 from moe_book.config import ModelConfig
+from moe_book.layers.base import RMSNorm, out_dtype, rms_norm
 
 # %% ../../chapters/04_attnres.ipynb #d29765eb
 def rms_normalize(x, eps: float):
@@ -60,6 +62,10 @@ class _Readers(nn.Module):
 
     def query(self, k: int):
         return self.queries[k - 1]
+
+    def read_normed(self, state, i: int, norm):
+        "The input of sublayer i after its pre-norm `norm` (what the model asks for; see chapter 00)."
+        return norm(self.read(state, i))
 
     def _keep(self, k: int, alpha):
         if self.record:
@@ -173,6 +179,14 @@ def merge_partial(u, lse, partial, w, eps: float):
     return lam * u + (1 - lam) * p, lam
 
 
+def merge_partial_normed(u, lse, partial, w, eps: float, norm_weight, norm_eps: float, dtype: torch.dtype):
+    """merge_partial, then the reading sublayer's pre-norm (moe_book.layers.base.rms_norm) of h, returned as `dtype`.
+    One function so that torch.compile makes it one kernel each way: h, fp32 and read by nothing but the norm, is
+    never written to memory, and neither is its gradient. Returns (norm(h), lam)."""
+    h, lam = merge_partial(u, lse, partial, w, eps)
+    return rms_norm.eager(h, norm_weight, norm_eps, dtype), lam
+
+
 _COMPILED = {}
 
 
@@ -192,7 +206,8 @@ DEFAULT_TWO_PHASE = None
 class BlockState(NamedTuple):
     "What Block AttnRes carries between sublayers (a tuple: write returns a new one, nothing is mutated)."
     blocks: torch.Tensor            # (B, T, n, d) completed block summaries; source 0 is the embedding
-    rinv: torch.Tensor              # (B, T, n, 1) fp32 1/rms of each block summary (the key norm, computed once)
+    keys: tuple                     # n tensors (B, T, Q_i) fp32: block i's logits w_k . RMSNorm(b_i) for its readers
+                                    # k = 2L+1-Q_i .. 2L (all that will ever read it), computed once, when it completes
     logits: Optional[torch.Tensor]  # (B, T, n, q) fp32 logits of the completed blocks for readers first..first+q-1
     first: int                      # reader whose logits are column 0 of `logits`
     partial: Optional[torch.Tensor]  # (B, T, d) sum of the current block's outputs, None when the block is empty
@@ -208,10 +223,11 @@ class BlockAttnRes(_Readers):
     `block_sublayers=1` is full AttnRes; a block spanning all 2L sublayers is the plain residual up to a factor 1/2
     that the readers' RMSNorm removes (see chapter 04). `fused`: run the depth mixing through torch.compile (None:
     on CUDA). `two_phase`: mix the completed blocks for all readers of a block at once when it opens (None: when
-    fused). `triton_mixes`: on CUDA, those mixes through moe_book.kernels.attnres_mix instead of torch.compile."""
+    fused). `triton_mixes`: on CUDA, those mixes through moe_book.kernels.attnres_mix instead of torch.compile
+    (None: when fused)."""
 
     def __init__(self, cfg: ModelConfig, block_sublayers: int = None, fused: Optional[bool] = None,
-                 two_phase: Optional[bool] = None, triton_mixes: bool = False):
+                 two_phase: Optional[bool] = None, triton_mixes: Optional[bool] = None):
         super().__init__(cfg)
         self.fused = DEFAULT_FUSED if fused is None else fused
         self.two_phase = DEFAULT_TWO_PHASE if two_phase is None else two_phase
@@ -223,25 +239,34 @@ class BlockAttnRes(_Readers):
         self.block_sublayers = S
         self.n_blocks = -(-self.n_sublayers // S)
 
-    def _open(self, blocks, rinv, first: int, count: int) -> BlockState:
-        "Start a block: logits of all completed blocks for the readers first .. first+S-1 (and the output) at once."
+    def _keys(self, block, first: int):
+        """(B, T, 2L+1-first) fp32 logits of one completed block (B, T, d) for every later reader k = first .. 2L:
+        one small matmul per block over its whole future, instead of one per block opening over the whole stack."""
+        dt = _math_dtype(block)
+        W = torch.stack([self.query(k) for k in range(first, self.n_sublayers + 1)], dim=-1).to(dt)   # (d, Q)
+        b = block.to(dt)
+        return (b @ W) * torch.rsqrt(b.pow(2).mean(-1, keepdim=True) + self.eps)
+
+    def _open(self, blocks, keys: tuple, first: int) -> BlockState:
+        "Start a block: the logits of all completed blocks for its readers first .. first+S-1 (and the output)."
         last = min(first + self.block_sublayers, self.n_sublayers + 1)
         k0 = max(first, 1)                              # reader 0 needs no logits
         logits = mixes = lse = None
         if last > k0:
-            W = torch.stack([self.query(k) for k in range(k0, last)], dim=-1).to(rinv.dtype)   # (d, q)
-            logits = (blocks.to(rinv.dtype) @ W) * rinv                                         # (B, T, n, q)
+            top = self.n_sublayers + 1                  # column c of a block's keys belongs to reader top - Q_i + c
+            logits = torch.stack([kk[..., k0 - top + kk.shape[-1]:last - top + kk.shape[-1]] for kk in keys], dim=-2)
             if self._two_phase(blocks) and blocks.shape[-2] == 1:
                 # One completed block (the embedding): every reader's softmax over it is exactly 1, so its mix is the
                 # block itself and its log-normaliser its logit. Views, not q copies of the embedding.
-                mixes, lse = (blocks[..., 0, :].to(rinv.dtype),) * (last - k0), logits[..., 0, :]
+                mixes, lse = (blocks[..., 0, :].to(logits.dtype),) * (last - k0), logits[..., 0, :]
             elif self._two_phase(blocks):
                 U, lse = self._block_mixes(logits, blocks)
                 mixes = U.unbind(-2)        # separate tensors, so each read's gradient is not a scatter into U
-        return BlockState(blocks, rinv, logits, k0, None, count, mixes, lse)
+        return BlockState(blocks, keys, logits, k0, None, first, mixes, lse)
 
     def _block_mixes(self, logits, blocks):
-        if self.triton_mixes and blocks.is_cuda and logits.dtype == torch.float32:
+        triton = self._fused(blocks) if self.triton_mixes is None else self.triton_mixes
+        if triton and blocks.is_cuda and logits.dtype == torch.float32:
             from moe_book.kernels.attnres_mix import block_open_mixes_triton
             return block_open_mixes_triton(logits, blocks)
         return (compiled(block_open_mixes_fusable) if self._fused(blocks) else block_open_mixes)(logits, blocks)
@@ -255,8 +280,7 @@ class BlockAttnRes(_Readers):
     def begin(self, x):
         blocks = x.unsqueeze(-2)                        # (B, T, 1, d): a view, no copy
         with _no_autocast(x):
-            rinv = torch.rsqrt(blocks.to(_math_dtype(x)).pow(2).mean(-1, keepdim=True) + self.eps)
-            return self._open(blocks, rinv, 0, 0)
+            return self._open(blocks, (self._keys(x, 1),), 0)
 
     def _mix(self, state: BlockState, k: int):
         "h for reader k: softmax over [completed blocks, partial] in fp32 (see block_mix and merge_partial)."
@@ -271,10 +295,31 @@ class BlockAttnRes(_Readers):
         else:                                                             # two-phase: merge the partial sum
             fn = compiled(merge_partial) if self._fused(s) else merge_partial
             h, lam = fn(state.mixes[j], state.lse[..., j], state.partial, self.query(k), self.eps)
-            alpha = torch.cat([lam * s.softmax(-1), 1 - lam], -1) if self.record else None
+            alpha = self._merged_alpha(s, lam)
         if alpha is not None:
             self._keep(k, alpha)
         return h.to(state.blocks.dtype)
+
+    def _merged_alpha(self, s, lam):
+        "The depth weights of a two-phase read that merged a partial sum, for `record` (None when not recording)."
+        return torch.cat([lam * s.softmax(-1), 1 - lam], -1) if self.record else None
+
+    def read_normed(self, state: BlockState, i: int, norm):
+        """norm(read(state, i)). On the fused two-phase path a read that merges a partial sum runs the merge and the
+        pre-norm (an RMSNorm) as one kernel, merge_partial_normed: h never goes to memory."""
+        if i == 0 or state.mixes is None or state.partial is None or not self._fused(state.partial) \
+                or type(norm) is not RMSNorm:
+            return norm(self.read(state, i))
+        self._check(state.count, i, "read")
+        dtype = out_dtype(state.partial, norm.weight)        # the autocast dtype: asked before autocast is turned off
+        j = i - state.first
+        with _no_autocast(state.blocks):
+            y, lam = compiled(merge_partial_normed)(state.mixes[j], state.lse[..., j], state.partial, self.query(i),
+                                                    self.eps, norm.weight, norm.eps, dtype)
+            alpha = self._merged_alpha(state.logits[..., j], lam)
+        if alpha is not None:
+            self._keep(i, alpha)
+        return y
 
     def read(self, state: BlockState, i: int):
         self._check(state.count, i, "read")
@@ -286,17 +331,16 @@ class BlockAttnRes(_Readers):
 
     def write(self, state: BlockState, i: int, out):
         self._check(state.count, i, "write")
-        out = out.to(state.blocks.dtype)
-        partial = out if state.partial is None else state.partial + out
+        dt = state.blocks.dtype
+        # Adding a bf16 output to the fp32 partial sum promotes inside the add; casting it first would cost a pass.
+        partial = out.to(dt) if state.partial is None else (state.partial + out).to(dt)
         count = i + 1
         if count % self.block_sublayers and count != self.n_sublayers:
             return state._replace(partial=partial, count=count)
         with _no_autocast(out):                         # the block is complete: stack it once
             blocks = torch.cat([state.blocks, partial.unsqueeze(-2)], dim=-2)
-            # the key norm of the new block, read from the stack (autograd then keeps one copy of it, not two)
-            r = torch.rsqrt(blocks[..., -1:, :].to(state.rinv.dtype).pow(2).mean(-1, keepdim=True) + self.eps)
-            rinv = torch.cat([state.rinv, r], dim=-2)
-            return self._open(blocks, rinv, count, count)
+            # the new block's keys, read from the stack (a strided view: autograd then keeps one copy of it, not two)
+            return self._open(blocks, state.keys + (self._keys(blocks[..., -1, :], count),), count)
 
     def end(self, state: BlockState):
         self._check(state.count, self.n_sublayers, "end")
