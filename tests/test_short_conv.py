@@ -11,7 +11,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from moe_book.config import get_config  # noqa: E402
-from moe_book.kernels.short_conv import BLOCK_T, short_conv_silu  # noqa: E402
+from moe_book.kernels.short_conv import LAUNCH, short_conv_silu  # noqa: E402
 from moe_book.layers.kda import KimiDeltaAttention  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -32,7 +32,7 @@ def _rel(a, b):
 @pytest.mark.parametrize("B,T,H,K,W,has_past,normalize", [
     (2, 37, 2, 8, 4, False, True),                # T not a multiple of the 32-row tile
     (1, 5, 1, 16, 4, True, True),                 # shorter than the conv's reach into the past
-    (2, 2 * BLOCK_T + 1, 2, 16, 3, True, False),  # v: no norm; a row just past two tiles
+    (2, 2 * LAUNCH["bwd"][0] + 1, 2, 16, 3, True, False),  # v: no norm; a row just past two tiles
     (1, 1, 2, 8, 4, False, True),                 # T = 1
     (1, 33, 1, 8, 1, False, True),                # W = 1: no left context at all
 ])
@@ -139,3 +139,20 @@ def test_layer_with_triton_prepare_matches_the_default_path():
         ya = torch.cat([a(x[:, :60], cache_a)] + [a(x[:, t:t + 1], cache_a) for t in range(60, 64)], 1)
         yb = torch.cat([b(x[:, :60], cache_b)] + [b(x[:, t:t + 1], cache_b) for t in range(60, 64)], 1)
     assert _rel(yb, ya) < 1e-4
+
+
+@pytest.mark.parametrize("fwd,bwd", [((8, 2), (16, 4)), ((16, 4), (8, 8))])
+def test_short_conv_any_launch_shape_gives_the_same_numbers(monkeypatch, fwd, bwd):
+    "The rows per program (the probe sweeps them) only tile the work: the tile edges and dw's partial sums move."
+    import moe_book.kernels.short_conv as sc
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 21, 32, generator=gen).to(DEV).requires_grad_()
+    w = torch.randn(32, 4, generator=gen).to(DEV).requires_grad_()
+    dy = torch.randn(2, 21, 32, generator=gen).to(DEV)
+    runs = []
+    for launch in (dict(sc.LAUNCH), {"fwd": fwd, "bwd": bwd}):
+        monkeypatch.setattr(sc, "LAUNCH", launch)
+        y = short_conv_silu(x, w, None, 2, True)
+        runs.append((y, *torch.autograd.grad((y * dy).sum(), (x, w))))
+    for a, b in zip(*runs):
+        assert _rel(a, b) < 1e-6

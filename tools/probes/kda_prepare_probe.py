@@ -47,16 +47,17 @@ fns = {"concatenated": torch.compile(concatenated), "kda_prepare": kda_prepare, 
 grads = None
 res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": dict(B=B, T=T, H=H, K=K, W=W), "ms": {}}
 ref = None
-for name, fn in fns.items():
-    def run():
-        out = fn(past, q, k, v, conv_w, gl, gate_bias, bl, -5.0, None, H)
-        return out
+
+
+def measure(name, fn):
+    global grads, ref
+    run = lambda: fn(past, q, k, v, conv_w, gl, gate_bias, bl, -5.0, None, H)
     out = run()
     if grads is None:
         grads = [torch.randn_like(o) for o in out]
+
     def fb():
-        out = run()
-        torch.autograd.backward(out, grads)
+        torch.autograd.backward(run(), grads)
     for x in ins:
         x.grad = None
     fb()
@@ -66,8 +67,29 @@ for name, fn in fns.items():
     err = max([((a.float() - b).norm() / b.norm()).item() for a, b in zip(out, ref[0])] +
               [((a - b).norm() / b.norm()).item() for a, b in zip(gr, ref[1])])
     with torch.no_grad():
-        f_ms = do_bench(lambda: run(), warmup=5, rep=50)
+        f_ms = do_bench(run, warmup=5, rep=50)
     fb_ms = do_bench(fb, warmup=5, rep=50, grad_to_none=ins)
     res["ms"][name] = {"fwd_ms": f_ms, "fwd_bwd_ms": fb_ms, "max_rel_err_vs_concatenated": err}
-    print(f"{name:>16}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms, max rel err vs concatenated {err:.2e}", flush=True)
+    print(f"{name:>24}: fwd {f_ms:.3f} ms, fwd+bwd {fb_ms:.3f} ms, max rel err vs concatenated {err:.2e}", flush=True)
+
+
+for name, fn in fns.items():
+    measure(name, fn)
+
+# Where the Triton path's backward goes: the gates alone, and the kernel's launch shapes (rows per program, warps).
+ggrads = [torch.randn(B, T, H, K, device=dev), torch.randn(B, T, H, device=dev)]
+gins = [gl, gate_bias, bl]
+gates = lambda: kda_gates(gl, gate_bias, bl, -5.0, None, H)
+with torch.no_grad():
+    g_f = do_bench(gates, warmup=5, rep=50)
+g_fb = do_bench(lambda: torch.autograd.backward(gates(), ggrads), warmup=5, rep=50, grad_to_none=gins)
+res["ms"]["kda_gates_alone"] = {"fwd_ms": g_f, "fwd_bwd_ms": g_fb}
+print(f"{'kda_gates alone':>24}: fwd {g_f:.3f} ms, fwd+bwd {g_fb:.3f} ms", flush=True)
+import moe_book.kernels.short_conv as sc
+default = dict(sc.LAUNCH)
+for rows in (8, 16, 32):
+    for warps in (2, 4, 8):
+        sc.LAUNCH = {"fwd": default["fwd"], "bwd": (rows, warps)}
+        measure(f"triton_bwd_rows{rows}_warps{warps}", triton_short_conv)
+sc.LAUNCH = default
 json.dump(res, open(os.path.join(os.environ.get("OUT", "."), "kda_prepare.json"), "w"), indent=1)
