@@ -156,16 +156,14 @@ def build_hf(mc: ModelConfig, device, lr: float = 1e-3, bf16_params: bool = Fals
 
 
 def train_step(model, opt, forward, x, autocast, clip: float = 1.0):
-    "One training step as the trainer takes it: forward under autocast, backward, clip, AdamW, post_step."
-    with autocast():
-        loss = forward(x)
-    loss.backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-    opt.step()
+    """One eager training step as the trainer takes it (moe_book.train.training_step: forward under autocast,
+    backward, clip, AdamW), then zero_grad and post_step, for any model whose `forward(x)` returns the loss."""
+    from moe_book.train import training_step
+    loss, _ = training_step(lambda x, _: (None, forward(x)), model.parameters(), opt, autocast, clip, x, None)
     opt.zero_grad(set_to_none=True)
     if hasattr(model, "post_step"):
         model.post_step()
-    return loss.detach()
+    return loss
 
 
 def _sync(device):
