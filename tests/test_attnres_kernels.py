@@ -52,7 +52,7 @@ def test_triton_mixes_bf16_blocks_and_bad_shapes():
 
 
 @pytest.mark.gpu
-def test_block_attnres_with_triton_mixes_matches_the_default_path():
+def test_block_attnres_with_triton_mixes_matches_the_compiled_mixes():
     cfg = get_config("tiny", ["model.n_layers=4", "model.d_model=64", "model.attnres_block=1"]).model
     torch.manual_seed(0)
     a, b = BlockAttnRes(cfg, triton_mixes=False).cuda(), BlockAttnRes(cfg, triton_mixes=True).cuda()

@@ -16,6 +16,7 @@ import torch.nn as nn
 
 from moe_book.config import ModelConfig
 from moe_book.layers.base import RMSNorm, out_dtype, rms_norm
+from moe_book.model import Residual
 
 # %% ../../chapters/04_attnres.ipynb #d29765eb
 def rms_normalize(x, eps: float):
@@ -43,7 +44,7 @@ def _no_autocast(x):
     return torch.autocast(device_type=x.device.type, enabled=False)
 
 
-class _Readers(nn.Module):
+class _Readers(Residual):
     "The pseudo-queries and the bookkeeping both residual types share."
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -62,10 +63,6 @@ class _Readers(nn.Module):
 
     def query(self, k: int):
         return self.queries[k - 1]
-
-    def read_normed(self, state, i: int, norm):
-        "The input of sublayer i after its pre-norm `norm` (what the model asks for; see chapter 00)."
-        return norm(self.read(state, i))
 
     def _keep(self, k: int, alpha):
         if self.record:
