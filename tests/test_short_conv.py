@@ -12,7 +12,7 @@ if not torch.cuda.is_available():
 
 from moe_book.config import get_config  # noqa: E402
 from moe_book.kernels.short_conv import LAUNCH, short_conv_silu  # noqa: E402
-from moe_book.layers.kda import KimiDeltaAttention  # noqa: E402
+from moe_book.layers.kda import KimiDeltaAttention, kda_prepare, kda_prepare_triton  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -68,6 +68,26 @@ def test_short_conv_reads_a_strided_past():
         past = wide[..., 16 * i:16 * (i + 1)]
         assert not past.is_contiguous()
         assert _rel(short_conv_silu(x, w, past, 2, True), reference(x.double(), w.double(), past.double(), 2, True)) < 1e-5
+
+
+@pytest.mark.parametrize("with_past", [False, True])
+def test_kda_prepare_triton_equals_kda_prepare(with_past):
+    """The layer's Triton prepare against kda_prepare, fp32, all five outputs and every input's gradient; past None is
+    the zeros kda_prepare is given in training. Both are fp32 sums of 4 taps and 8-channel norms: 1e-5."""
+    gen = torch.Generator().manual_seed(3)
+    B, T, H, K, W = 2, 19, 2, 8, 4
+    r = lambda *s: torch.randn(*s, generator=gen).to(DEV).requires_grad_()
+    q, k, v, gl = r(B, T, H * K), r(B, T, H * K), r(B, T, H * K), r(B, T, H * K)
+    conv_w, gb, bl = r(3 * H * K, 1, W), r(H * K), r(B, T, H)
+    past = torch.randn(B, W - 1, 3 * H * K, generator=gen).to(DEV) if with_past else torch.zeros(B, W - 1, 3 * H * K, device=DEV)
+    ins = (q, k, v, conv_w, gl, gb, bl)
+    res = []
+    for fn, left in ((kda_prepare, past), (kda_prepare_triton, past if with_past else None)):
+        out = fn(left, q, k, v, conv_w, gl, gb, bl, -5.0, None, H)
+        loss = sum((o * (i + 1)).sin().sum() for i, o in enumerate(out))
+        res.append((out, torch.autograd.grad(loss, ins)))
+    for a, b in zip(res[0][0] + res[0][1], res[1][0] + res[1][1]):
+        assert a.shape == b.shape and _rel(b, a) < 1e-5
 
 
 def test_short_conv_zero_rows_take_the_eps_branch():

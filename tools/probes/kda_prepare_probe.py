@@ -4,8 +4,7 @@ q, k, v convolved one at a time) against the earlier form over their concatenati
 convolutions (KimiDeltaAttention.triton_prepare). Writes $OUT/kda_prepare.json."""
 import json, os, sys, torch, torch.nn.functional as F
 from triton.testing import do_bench
-from moe_book.layers.kda import kda_gates, kda_prepare, kda_gate, _fp
-from moe_book.kernels.short_conv import short_conv_silu
+from moe_book.layers.kda import kda_gates, kda_prepare, kda_prepare_triton, kda_gate, _fp
 
 B, T, H, K, W = 8, 4096, 8, 128, 4
 C = H * K
@@ -34,16 +33,9 @@ def concatenated(past, q, k, v, conv_w, gate_logits, gate_bias, beta_logits, g_m
             vc.to(q.dtype), kda_gate(logits, g_min, A_log), torch.sigmoid(beta_logits.to(fp)))
 
 
-def triton_short_conv(past, q, k, v, conv_w, gate_logits, gate_bias, beta_logits, g_min, A_log, n_heads):
-    "the layer with triton_prepare = True: moe_book.kernels.short_conv for q, k, v (zero past), kda_gates for the rest"
-    B, T, C = q.shape
-    w = conv_w.view(3, C, -1)
-    out = [short_conv_silu(t, w[i], None, n_heads, normalize=i < 2).view(B, T, n_heads, -1) for i, t in enumerate((q, k, v))]
-    return (*out, *kda_gates(gate_logits, gate_bias, beta_logits, g_min, A_log, n_heads))
-
-
 fns = {"concatenated": torch.compile(concatenated), "kda_prepare": kda_prepare,   # the latter compiled by `fused`
-       "triton_short_conv": triton_short_conv}
+       # the layer with triton_prepare = True, in training: no left context to read
+       "triton_short_conv": lambda past, *args: kda_prepare_triton(None, *args)}
 grads = None
 res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": dict(B=B, T=T, H=H, K=K, W=W), "ms": {}}
 ref = None
@@ -90,6 +82,6 @@ default = dict(sc.LAUNCH)
 for rows in (8, 16, 32):
     for warps in (2, 4, 8):
         sc.LAUNCH = {"fwd": default["fwd"], "bwd": (rows, warps)}
-        measure(f"triton_bwd_rows{rows}_warps{warps}", triton_short_conv)
+        measure(f"triton_bwd_rows{rows}_warps{warps}", fns["triton_short_conv"])
 sc.LAUNCH = default
 json.dump(res, open(os.path.join(os.environ.get("OUT", "."), "kda_prepare.json"), "w"), indent=1)
