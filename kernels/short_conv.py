@@ -87,9 +87,10 @@ def short_conv_bwd_kernel(X, P, Wt, DO, DX, DWP, T, C, stride_pb, stride_pt, eps
     tl.store(DX + (b * T + rows)[:, None] * C + cols[None, :], dx, mask=(rows < T)[:, None])
 
 
-# (rows per program, warps) of each pass. Not tuned yet: the backward holds ~10 fp32 tiles of rows x head_dim at
-# once, so fewer rows or more warps may keep it out of register spills; tools/probes/kda_prepare_probe.py sweeps both.
-LAUNCH = {"fwd": (32, 4), "bwd": (32, 4)}
+# (rows per program, warps) of each pass. The backward holds ~10 fp32 tiles of rows x head_dim at once: 8 rows on
+# 2 warps took the prepare's fwd+bwd from 2.15 to 1.70 ms at the small preset (tools/probes/kda_prepare_probe.py
+# sweeps rows 8/16/32 x warps 2/4/8; 32 rows on 2 warps spill and take 14.6 ms).
+LAUNCH = {"fwd": (32, 4), "bwd": (8, 2)}
 EPS = 1e-6       # F.normalize's eps in kda_prepare
 
 
