@@ -57,6 +57,7 @@ class MoEConfig:
     bias_update_rate: float = 1e-3
     balance_window: int = 8
     quantile_sweeps: int = 8  # solves per step of the quantile balancers (chapter 05: fewer leave more misfit)
+    quantile_anderson: bool = True  # extrapolate each solve along the last two (chapter 05: about half the misfit)
 
 # %% ../chapters/00_foundations.ipynb #fc84b8e6
 @dataclass
@@ -178,10 +179,10 @@ def small() -> Config:
     """The reference GPU preset (one H200), the complete system; the peer is HF KimiLinear at the same shape:
     16 layers (12 KDA + every 4th a Gated MLA), Block AttnRes over blocks of 4 layers, layer 0 a dense SwiGLU of
     2816, the others Latent MoE (128 experts top-8 of width 256 in a 512-wide latent, 1 shared, SiTU-GLU, Quantile
-    Balancing). The default budget, 16M tokens (488 steps of 8 x 4096), is about 3.6 minutes of steps at the 74.8K
-    tokens/s measured while training on one H200 (results/train_small_gpu.json); compilation (about a minute),
-    evaluations, checkpoints and preparing the 400 MB corpus add about 3 more (estimated from that run, which
-    prepared 150 MB and was capped at 2 minutes)."""
+    Balancing). The default budget, 16M tokens (488 steps of 8 x 4096), is about 2.2 minutes of steps at the 123.5K
+    tokens/s measured while training on one H200 (results/train_small_gpu.json, 2026-12-04); compilation (about a
+    minute), evaluations, checkpoints and preparing the 400 MB corpus add about 3 more (estimated from that run,
+    which prepared 150 MB and was capped at 2 minutes; a default run to its end has not been timed yet)."""
     model = ModelConfig(
         vocab_size=32768, d_model=1024, n_layers=16, max_seq_len=4096, mixer="kda", global_mixer="mla",
         n_heads=8, head_dim=128, d_ff=2816, d_ff_dense=2816, global_every=4,

@@ -475,3 +475,42 @@ def test_quantile_sweeps_diverge_when_over_relaxed():
         return load_stats(expert_counts(row_topk(scores + b, k)[1], n))["maxvio"]
     plain, over = maxvio_after(1.0), maxvio_after(2.0)
     assert plain < 0.02 and over > 1.0, (plain, over)
+
+
+def test_anderson_step_lands_on_the_fixed_point_of_a_scaled_map():
+    """For F(b) = lam*b + c the residuals of b0 and b1 = F(b0) are parallel to b - b*, so one extrapolation along the
+    last two solves is exact: b* = c / (1 - lam) (mean zero, like every solve)."""
+    from moe_book.layers.moe import anderson_extrapolate
+    gen = torch.Generator().manual_seed(0)
+    c = torch.randn(16, generator=gen, dtype=torch.float64)
+    c -= c.mean()
+    lam = 0.7
+    F = lambda b: lam * b + c
+    b0 = torch.randn(16, generator=gen, dtype=torch.float64)
+    b0 -= b0.mean()
+    b1 = F(b0)
+    b2 = anderson_extrapolate(b1, F(b1), b0, b1)
+    assert torch.allclose(b2, c / (1 - lam), atol=1e-12)
+    assert (b1 - c / (1 - lam)).abs().max() > 0.1                    # where a plain step would still be
+
+
+def test_anderson_step_without_movement_returns_the_solve():
+    "d = 0 (the residual did not change): gamma is 0 and the step is the plain solve, not NaN."
+    from moe_book.layers.moe import anderson_extrapolate
+    b, f = torch.zeros(8), torch.linspace(-1, 1, 8)
+    out = anderson_extrapolate(b, f, b, f)
+    assert torch.equal(out, f - f.mean())
+
+
+def test_accelerated_solves_leave_less_misfit_at_low_rank():
+    """Chapter 05's measurement, one batch of it: rank-4 scores (8K tokens, 128 experts, top-8), 4 and 8 solves
+    from zero with and without the extrapolation (0.127 -> 0.057 and 0.016 -> 0.014 when written)."""
+    gen = torch.Generator().manual_seed(4)
+    X, W = torch.randn(8192, 4, generator=gen), torch.randn(4, 128, generator=gen) / 2
+    scores = torch.sigmoid(3.0 * X @ W + 0.5 * torch.randn(128, generator=gen))
+    mv = lambda b: load_stats(expert_counts(torch.topk(scores + b, 8, dim=-1).indices, 128))["maxvio"]
+    for n in (4, 8):
+        plain = mv(quantile_bias(scores, torch.zeros(128), 8, n, anderson=False))
+        fast = mv(quantile_bias(scores, torch.zeros(128), 8, n, anderson=True))
+        assert fast < plain, (n, fast, plain)
+    assert make_balancer(MoEConfig(quantile_anderson=False)).anderson is False     # the key reaches the solve
