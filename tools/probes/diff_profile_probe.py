@@ -1,8 +1,8 @@
 """Device probe: where Block AttnRes's step-time overhead goes. The kernel tables (torch.profiler, self device time,
 eager steps: the GPU time a CUDA graph replays) of the small preset with every piece on, once with the plain
 residual and once with Block AttnRes, at bench system's shape, and their difference per kernel name, largest first.
-Also the LatentMoE layer alone (bench moe's shape) as its own table, for the MoE layer's ms outside the expert
-GEMMs. Writes $OUT/diff_profile.json. On a CPU it runs at a toy shape (CPU ops instead of kernels) as a smoke test."""
+Then the aten ops of the Block AttnRes step grouped by input shape (who launches the copies and adds), and the
+LatentMoE layer alone (bench moe's shape) as its own table, for the MoE layer's ms outside the expert GEMMs. Writes $OUT/diff_profile.json. On a CPU it runs at a toy shape (CPU ops instead of kernels) as a smoke test."""
 import json, os, sys
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -55,6 +55,25 @@ res["total_ms"] = {k: sum(r["ms"] for r in t.values()) for k, t in res["tables"]
 print(f"difference: {res['total_ms']['block_attnres'] - res['total_ms']['plain']:+.1f} ms a step", flush=True)
 for r in res["block_attnres_minus_plain"][:40]:
     print(f"{r['ms']:+8.2f} ms {r['calls']:+6.0f}x  {r['name'][:120]}", flush=True)
+# Which aten ops (and input shapes) launch the step's copies and adds: the Block AttnRes step once more, with the ops
+# recorded on the host side and grouped by input shape, ranked by the device time under them.
+model, opt, fwd, _ = build_ours(every_piece(preset), dev)
+for _ in range(3):
+    train_step(model, opt, fwd, x, ac)
+sync()
+with profile(activities=acts + ([ProfilerActivity.CPU] if cuda else []), record_shapes=True) as prof:
+    train_step(model, opt, fwd, x, ac)
+    sync()
+ops = [e for e in prof.key_averages(group_by_input_shape=True) if e.key.startswith("aten::")]
+ops.sort(key=lambda e: -getattr(e, key))
+res["ops_by_shape"] = [{"op": e.key, "shapes": str(e.input_shapes)[:200], "ms": getattr(e, key) / 1e3,
+                        "calls": e.count} for e in ops[:60]]
+print("aten ops by input shape (block_attnres step), device ms:", flush=True)
+for r in res["ops_by_shape"][:30]:
+    print(f"{r['ms']:8.2f} ms {r['calls']:5d}x  {r['op']:28s} {r['shapes'][:100]}", flush=True)
+del model, opt
+if cuda:
+    torch.cuda.empty_cache()
 for name in ("plain", "block_attnres"):            # keep the 80 largest rows of each table, not every kernel
     res["tables"][name] = dict(sorted(res["tables"][name].items(), key=lambda kv: -kv[1]["ms"])[:80])
 
