@@ -166,6 +166,12 @@ def _compute_dtype(x):
     return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
 
 
+@fused
+def _slot_sum_of_rows(rows, rank, k: int):
+    "sum over the k slots of rows[rank] viewed (N, k, d): the gather runs inside the sum's kernel on CUDA."
+    return rows.index_select(0, rank).view(-1, k, rows.shape[-1]).sum(1)
+
+
 class _Dispatch(torch.autograd.Function):
     """rows = x[order // k]: each token's row once per slot, in expert order. The backward gathers the row gradients
     back into (token, slot) order (rank[i] is where pair i sits in `order`) and sums the k slots — deterministic,
@@ -179,21 +185,7 @@ class _Dispatch(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         (rank,) = ctx.saved_tensors
-        return grad.index_select(0, rank).view(-1, ctx.k, grad.shape[-1]).sum(1), None, None, None
-
-
-class _Unsort(torch.autograd.Function):
-    """y[rank]: expert-ordered rows back to (token, slot) order, and the gradient the other way, both as gathers.
-    (index_copy, the obvious inverse, ran at a third of the gather's bandwidth on the H200: 0.41 vs 0.16 ms.)"""
-    @staticmethod
-    def forward(ctx, y, order, rank):
-        ctx.save_for_backward(order)
-        return y.index_select(0, rank)
-
-    @staticmethod
-    def backward(ctx, grad):
-        (order,) = ctx.saved_tensors
-        return grad.index_select(0, order), None, None
+        return _slot_sum_of_rows(grad, rank, ctx.k), None, None, None
 
 
 @fused
@@ -203,6 +195,42 @@ def weighted_slot_sum(y, weights):
     took ~1 ms a layer at the small preset)."""
     acc = torch.promote_types(y.dtype, torch.float32)
     return (y.to(acc) * weights.to(acc).unsqueeze(-1)).sum(1).to(y.dtype)
+
+
+@fused
+def _combine_fwd(y, rank, weights):
+    "weighted_slot_sum(y[rank]) for expert-ordered rows y: the gather is read inside the sum, never written."
+    return weighted_slot_sum.eager(y.index_select(0, rank).view(-1, weights.shape[1], y.shape[-1]), weights)
+
+
+@fused
+def _combine_bwd(grad, y, order, rank, weights):
+    """The combine's gradients, each one gather-and-compute kernel on CUDA: row i of dy (expert order) is pair
+    order[i]'s weight times its token's output gradient; dw[t, j] = y[rank[t k + j]] . grad[t], in fp32."""
+    N, k = weights.shape
+    acc = torch.promote_types(y.dtype, torch.float32)
+    g = grad.to(acc)
+    w = weights.to(acc).reshape(-1).index_select(0, order).unsqueeze(-1)
+    dy = (g.index_select(0, order // k) * w).to(y.dtype)
+    dw = (y.index_select(0, rank).view(N, k, -1).to(acc) * g.unsqueeze(1)).sum(-1)
+    return dy, dw.to(weights.dtype)
+
+
+class _Combine(torch.autograd.Function):
+    """out[t] = sum_j weights[t, j] y[rank[t k + j]]: the expert-ordered output rows combined straight into token
+    order. The same numbers as gathering y back to (token, slot) order and then weighted_slot_sum, without writing
+    the (N k, d) gathered rows forward or their gradient backward; both directions are gathers (an index_copy, the
+    obvious scatter back, ran at a third of a gather's bandwidth on the H200: 0.41 vs 0.16 ms)."""
+    @staticmethod
+    def forward(ctx, y, order, rank, weights):
+        ctx.save_for_backward(y, order, rank, weights)
+        return _combine_fwd(y, rank, weights)
+
+    @staticmethod
+    def backward(ctx, grad):
+        y, order, rank, weights = ctx.saved_tensors
+        dy, dw = _combine_bwd(grad.contiguous(), y, order, rank, weights)
+        return dy, None, None, dw
 
 
 class GroupedExperts(nn.Module):
@@ -237,8 +265,7 @@ class GroupedExperts(nn.Module):
         h = grouped_linear(xs, self.gate_up.to(dt), offs, counts, backend)
         a = expert_activation(self.act, *h.chunk(2, dim=-1))
         y = grouped_linear(a, self.down.to(dt), offs, counts, backend)
-        y = _Unsort.apply(y, order, rank).view(N, k, -1)              # back to (token, slot) order
-        return weighted_slot_sum(y, weights)
+        return _Combine.apply(y, order, rank, weights)              # weighted, back in token order
 
 
 def experts_reference(x, expert_idx, weights, gate_up, down, act: str = "situ"):
