@@ -57,7 +57,7 @@ class MoEConfig:
     bias_update_rate: float = 1e-3
     balance_window: int = 8
     quantile_sweeps: int = 8  # solves per step of the quantile balancers (chapter 05: fewer leave more misfit)
-    quantile_anderson: bool = True  # extrapolate each solve along the last two (chapter 05: about half the misfit)
+    quantile_anderson: bool = True  # extrapolate each solve along the last two (chapter 05: less misfit per solve)
 
 # %% ../chapters/00_foundations.ipynb #fc84b8e6
 @dataclass

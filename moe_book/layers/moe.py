@@ -404,8 +404,9 @@ def anderson_extrapolate(b, f, b_prev, f_prev):
 def quantile_bias(scores, bias, top_k: int, sweeps: int = 1, anderson: bool = True):
     """`sweeps` repeated solves, each starting from the previous one. One solve moves every expert at once, so each
     under-corrects when experts compete for the same tokens; repeating converges (the misfit shrinks ~2-3x a sweep).
-    anderson: from the second solve on, extrapolate along the last two (anderson_extrapolate): on low-rank and on
-    trained routers' scores the same number of solves leaves about half the misfit (chapter 05, section 4)."""
+    anderson: from the second solve on, extrapolate along the last two (anderson_extrapolate). On a trained toy
+    router's batch (chapter 05, section 4) 4 solves from zero left a quarter to a half of the plain misfit, 8 solves
+    from the trainer's warm start 0.8-1.0 of it; clusters of near-identical tokens it does not help."""
     prev = None
     for _ in range(sweeps):
         f = quantile_sweep(scores, bias, top_k)
