@@ -58,6 +58,7 @@ class MoEConfig:
     balance_window: int = 8
     quantile_sweeps: int = 8  # solves per step of the quantile balancers (chapter 05: fewer leave more misfit)
     quantile_anderson: bool = True  # extrapolate each solve along the last two (chapter 05: less misfit per solve)
+    selection_jitter: float = 0.0   # training's fixed tie-breaker on the scores that pick experts (chapter 05)
 
 # %% ../chapters/00_foundations.ipynb #fc84b8e6
 @dataclass
@@ -303,6 +304,7 @@ def validate(cfg: Config) -> Config:
     _check(e.act in ("situ", "swiglu"), f"model.moe.act={e.act!r}: choose 'situ' or 'swiglu'")
     _check(e.balancer in BALANCER_TYPES, f"model.moe.balancer={e.balancer!r}: choose one of {BALANCER_TYPES}")
     _check(e.quantile_sweeps > 0, f"model.moe.quantile_sweeps={e.quantile_sweeps}: must be a positive number of solves")
+    _check(0 <= e.selection_jitter < 1, f"model.moe.selection_jitter={e.selection_jitter}: must be in [0, 1) (0: off)")
     _check(t.seq_len <= m.max_seq_len, f"train.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; raise max_seq_len")
     _check(t.tokens >= 0 and t.steps >= 0 and (t.tokens > 0 or t.steps > 0),
            "train.tokens and train.steps are both 0: give a token budget (train.tokens=...) or a step count (train.steps=...)")

@@ -562,3 +562,49 @@ def test_gpu_compiled_combine_matches_eager():
     outs = _combine_both_ways(y0, w0, g, order, rank)
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_selection_jitter_is_a_fixed_uniform_tie_breaker():
+    from moe_book.layers.moe import selection_jitter
+    a, b = selection_jitter(4096, 64, 1e-2, "cpu"), selection_jitter(4096, 64, 1e-2, "cpu")
+    assert a.shape == (4096, 64) and a.dtype == torch.float32 and torch.equal(a, b)   # same numbers every call
+    assert 0 <= a.min() and a.max() < 1e-2
+    assert abs(a.mean().item() - 5e-3) < 1e-4 and abs(a.std().item() - 1e-2 / 12 ** 0.5) < 1e-4   # uniform
+    assert not torch.equal(a[0], a[1]) and not torch.equal(a[:, 0], a[:, 1])          # rows and experts differ
+
+
+def test_jitter_lets_the_solve_split_identical_tokens():
+    """1000 copies of one token among 7192 others (each expert's share is 512): no bias can split identical rows,
+    so the quantile solve cannot balance them (8 solves left MaxVio 1.58 when written); with a tie-breaker of 3e-2
+    on the scores that pick, it can (0.047; 1e-2 needs ~32 solves). The combine weights stay the scores' own."""
+    from moe_book.layers.moe import selection_jitter
+    gen = torch.Generator().manual_seed(0)
+    X = torch.randn(8192, 16, generator=gen)
+    X[:1000] = X[0]
+    scores = torch.sigmoid(3.0 * X @ (torch.randn(16, 128, generator=gen) / 4) + 0.5 * torch.randn(128, generator=gen))
+    jit = selection_jitter(8192, 128, 3e-2, "cpu")
+    mv = lambda s, b: load_stats(expert_counts(torch.topk(s + b, 8, dim=-1).indices, 128))["maxvio"]
+    assert mv(scores, quantile_bias(scores, torch.zeros(128), 8, 8)) > 1.0
+    assert mv(scores + jit, quantile_bias(scores + jit, torch.zeros(128), 8, 8)) < 0.1
+    router = Router(16, 128, 8)
+    idx, w = router.select(scores, torch.zeros(128), jit)
+    picked = scores.gather(1, idx)
+    assert torch.equal(w, picked / picked.sum(-1, keepdim=True))
+
+
+def test_jitter_only_in_training_forwards():
+    "The tie-breaker picks experts in training forwards only; evaluation routes by scores + stored bias."
+    cfg = tiny_config(["model.moe.selection_jitter=0.5"]).model
+    layer = LatentMoE(cfg, layer=1)
+    x = torch.randn(64, cfg.d_model)
+    seen = []
+    orig = layer.router.select
+    layer.router.select = lambda s, b=None, j=None: seen.append(j) or orig(s, b, j)
+    layer.train()
+    layer(x)
+    layer.eval()
+    with torch.no_grad():
+        layer(x)
+    assert seen[0] is not None and seen[0].shape == (64, cfg.moe.n_experts) and seen[1] is None
+    with pytest.raises(ConfigError, match="selection_jitter"):
+        tiny_config(["model.moe.selection_jitter=1.5"])

@@ -2,11 +2,12 @@
 
 # %% auto #0
 __all__ = ['SITU_BETA_GATE', 'SITU_BETA_UP', 'ACTIVATIONS', 'BALANCERS', 'situ_glu', 'swiglu', 'expert_activation', 'row_topk',
-           'expert_counts', 'Router', 'grouped_mm_works', 'grouped_linear', 'weighted_slot_sum', 'GroupedExperts',
-           'experts_reference', 'Balancer', 'AuxLossBalancer', 'SignBiasBalancer', 'ProportionalBalancer',
-           'QuantileStepBalancer', 'quantile_margins', 'quantile_sweep', 'anderson_extrapolate', 'quantile_bias',
-           'QuantileBalancer', 'QuantileLaggedBalancer', 'make_balancer', 'load_stats', 'check_moe_config',
-           'SharedExpert', 'LatentMoE', 'worst_maxvio', 'moe_panel', 'MaxVioAlert', 'maxvio_summary']
+           'expert_counts', 'selection_jitter', 'Router', 'grouped_mm_works', 'grouped_linear', 'weighted_slot_sum',
+           'GroupedExperts', 'experts_reference', 'Balancer', 'AuxLossBalancer', 'SignBiasBalancer',
+           'ProportionalBalancer', 'QuantileStepBalancer', 'quantile_margins', 'quantile_sweep', 'anderson_extrapolate',
+           'quantile_bias', 'QuantileBalancer', 'QuantileLaggedBalancer', 'make_balancer', 'load_stats',
+           'check_moe_config', 'SharedExpert', 'LatentMoE', 'worst_maxvio', 'moe_panel', 'MaxVioAlert',
+           'maxvio_summary']
 
 # %% ../../chapters/05_moe.ipynb #48e5154e
 """Stable Latent MoE (chapter 05): a sigmoid top-k router with a gradient-free selection bias, SiTU-GLU or SwiGLU
@@ -66,6 +67,26 @@ def expert_counts(expert_idx, n_experts: int):
     return torch.zeros(n_experts, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
 
 
+_JITTER = {}
+
+
+def selection_jitter(n_tokens: int, n_experts: int, amplitude: float, device) -> torch.Tensor:
+    """(n_tokens, n_experts) fp32 in [0, amplitude): a fixed tie-breaker that training adds to the scores it picks
+    experts with (the solve and the top-k), never to the combine weights. An integer hash of (row, expert): the same
+    numbers on every call, device and run, with no RNG state, so a resumed or graph-replayed step picks the same
+    experts. Built once per shape and cached."""
+    key = (n_tokens, n_experts, float(amplitude), str(device))
+    if key not in _JITTER:
+        i = torch.arange(n_tokens, device=device, dtype=torch.int64)[:, None]
+        j = torch.arange(n_experts, device=device, dtype=torch.int64)[None, :]
+        h = (i * 2654435761 + j * 2246822519) & 0xFFFFFFFF
+        for _ in range(2):                                   # mix the bits (every product stays below 2^63)
+            h = ((h ^ (h >> 16)) * 73244475) & 0xFFFFFFFF
+        h = h ^ (h >> 16)
+        _JITTER[key] = (h & 0xFFFFFF).to(torch.float32) * (amplitude / 2 ** 24)
+    return _JITTER[key]
+
+
 class Router(nn.Module):
     "Sigmoid scores at full width, top-k on scores + selection bias, renormalised unbiased weights × route_scale."
     def __init__(self, d_model: int, n_experts: int, top_k: int, route_scale: float = 1.0):
@@ -80,10 +101,12 @@ class Router(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             return torch.sigmoid(F.linear(x.float(), self.proj.weight.float()))
 
-    def select(self, scores, bias=None):
-        "Top-k of scores + bias (default: the stored bias) -> expert_idx (N, k) int64, weights (N, k) fp32."
+    def select(self, scores, bias=None, jitter=None):
+        """Top-k of scores + bias (default: the stored bias) + jitter (training's tie-breaker, selection_jitter) ->
+        expert_idx (N, k) int64, weights (N, k) fp32 from the scores alone."""
         bias = self.bias if bias is None else bias
-        expert_idx = row_topk(scores.detach() + bias, self.top_k)[1]
+        chosen = scores.detach() + bias
+        expert_idx = row_topk(chosen if jitter is None else chosen + jitter, self.top_k)[1]
         picked = scores.gather(1, expert_idx)
         weights = picked / picked.sum(-1, keepdim=True).clamp_min(1e-20) * self.route_scale
         return expert_idx, weights
@@ -515,6 +538,9 @@ def check_moe_config(cfg: ModelConfig):
         raise ConfigError(f"model.moe.balance_window={m.balance_window}: must be a positive number of steps")
     if m.quantile_sweeps <= 0:
         raise ConfigError(f"model.moe.quantile_sweeps={m.quantile_sweeps}: must be a positive number of solves per step")
+    if not 0 <= m.selection_jitter < 1:
+        raise ConfigError(f"model.moe.selection_jitter={m.selection_jitter}: must be in [0, 1) (a fraction of the "
+                          f"sigmoid scores' range; 0 turns it off)")
 
 
 class SharedExpert(nn.Module):
@@ -551,6 +577,7 @@ class LatentMoE(nn.Module):
                                       down_std=cfg.init_std if m.latent_dim else residual_std)
         self.shared = SharedExpert(d, m.n_shared * m.d_expert, m.act) if m.n_shared else None
         self.balancer = make_balancer(m)
+        self.jitter = m.selection_jitter
         self.register_buffer("step_load", torch.zeros(m.n_experts, dtype=torch.long), persistent=False)
         self.register_buffer("last_load", torch.zeros(m.n_experts, dtype=torch.long), persistent=False)
         # per-expert mean and token-std of the router scores, summed over the step's forwards (for monitoring)
@@ -564,10 +591,13 @@ class LatentMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         scores = self.router.score(x)
-        bias = self.router.bias
+        bias, jitter, picking = self.router.bias, None, scores.detach()
         if self.training and torch.is_grad_enabled():
-            bias = self.balancer.route_bias(scores.detach(), bias)   # in-forward balancers solve this batch's bias
-        expert_idx, weights = self.router.select(scores, bias)
+            if self.jitter:                                           # ties broken the same way in solve and top-k
+                jitter = selection_jitter(*scores.shape, self.jitter, scores.device)
+                picking = picking + jitter
+            bias = self.balancer.route_bias(picking, bias)           # in-forward balancers solve this batch's bias
+        expert_idx, weights = self.router.select(scores, bias, jitter)
         h = self.latent_down(x) if self.latent_down is not None else x
         y = self.experts(h, expert_idx, weights, backend=backend)
         y = self.latent_up(y) if self.latent_up is not None else y
@@ -578,7 +608,7 @@ class LatentMoE(nn.Module):
                 self.step_load += expert_counts(expert_idx, self.n_experts)
                 self.score_stats[0] += scores.mean(0)
                 self.score_stats[1] += scores.std(0) if scores.shape[0] > 1 else 0
-                self.balancer.observe(scores.detach(), expert_idx, bias)
+                self.balancer.observe(picking, expert_idx, bias)
             host_effect(self._count_forward)
             self.aux_loss = self.balancer.loss(scores, expert_idx)
         else:

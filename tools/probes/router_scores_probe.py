@@ -1,6 +1,7 @@
 """Probe: how hard is a trained router's batch for the quantile solve? For every MoE layer of a trained model, on
 one batch of the run's training split: the structure of the router scores (effective rank of the centred logits,
-near-duplicate rows, saturated sigmoids, exact ties in a row's top-k+1) and the MaxVio that 1..32 quantile solves
+near-duplicate rows, saturated sigmoids, exact ties in a row's top-k+1, the gap between a token's k-th and
+(k+1)-th biased scores) and the MaxVio that 1..32 quantile solves
 (quantile_bias, plain and with Anderson extrapolation) leave from a zero bias (cold) and from the layer's newest
 solution, as the trainer warm-starts (warm).
 
@@ -43,11 +44,14 @@ def layer_report(scores, newest, stored, top_k, sweeps=32, sample=2048):
     cos.fill_diagonal_(-1)
     nearest = cos.max(1).values
     top = scores.topk(top_k + 1, dim=1).values
+    biased = (scores + stored).topk(top_k + 1, dim=1).values
+    gap = biased[:, top_k - 1] - biased[:, top_k]               # how far a token's last pick is from the next one
     return {"effective_rank": effective_rank(logits), "near_duplicate_rows_cos_0.99": (nearest > 0.99).float().mean().item(),
             "near_duplicate_rows_cos_0.999": (nearest > 0.999).float().mean().item(),
             "saturated_scores": ((scores == 1) | (scores == 0)).float().mean().item(),
             "rows_with_tie_in_top_k_plus_1": (top[:, :-1] == top[:, 1:]).any(1).float().mean().item(),
-            "max_abs_logit": logits.abs().max().item(), "maxvio_stored_bias": mv(stored), **curves}
+            "max_abs_logit": logits.abs().max().item(), "maxvio_stored_bias": mv(stored),
+            "kth_gap_median": gap.median().item(), "kth_gap_below_0.01": (gap < 0.01).float().mean().item(), **curves}
 
 
 def main(argv=None):
