@@ -2,7 +2,8 @@
 eager steps: the GPU time a CUDA graph replays) of the small preset with every piece on, once with the plain
 residual and once with Block AttnRes, at bench system's shape, and their difference per kernel name, largest first.
 Then the aten ops of the Block AttnRes step grouped by input shape (who launches the copies and adds), and the
-LatentMoE layer alone (bench moe's shape) as its own table, for the MoE layer's ms outside the expert GEMMs. Writes $OUT/diff_profile.json. On a CPU it runs at a toy shape (CPU ops instead of kernels) as a smoke test."""
+LatentMoE layer alone (bench moe's shape) as its own table, for the MoE layer's ms outside the expert GEMMs.
+Writes $OUT/diff_profile.json. On a CPU it runs at a toy shape (CPU ops instead of kernels) as a smoke test."""
 import json, os, sys
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -92,7 +93,7 @@ def moe_step():
     with ac():
         y = moe(xm)
     y.backward(gm)
-    moe.post_step() if hasattr(moe, "post_step") else None
+    moe.post_step()
 
 
 t = table(moe_step, steps=5)
