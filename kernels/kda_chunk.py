@@ -478,7 +478,7 @@ def _wy_and_state(q, k, v, G, beta, Tm, scale, initial_state, output_final_state
     NC, dev, PREC, VL = ch.n_chunks, k.device, _dot_precision(k.dtype), ch.varlen
     W, k_end = torch.empty_like(k), torch.empty_like(k)
     qg = torch.empty_like(q) if store_qg else None
-    U = torch.empty(B, T, H, V, device=dev, dtype=torch.float32)
+    U = torch.empty(B, T, H, V, device=dev, dtype=k.dtype)    # the input dtype, as fla: 'storage dtypes' below
     _launch(kda_wy_fwd, lambda bk, bv: (NC, H), (K, V), q, k, v, G, beta, Tm, W, U, k_end, qg, scale, *ch.args(),
             H=H, K=K, V=V, BT=BT, IS_VARLEN=VL, STORE_QG=store_qg, PREC=PREC)
     u = torch.empty_like(v, dtype=k.dtype)
