@@ -178,8 +178,9 @@ def _store_cc(ptr, x, t0, eos, r0, c0, H: tl.constexpr, BT: tl.constexpr, i_h, N
 @triton.jit
 def kda_gate_cumsum(g, G, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.constexpr,
                     BT: tl.constexpr, BK: tl.constexpr, IS_VARLEN: tl.constexpr, REVERSE: tl.constexpr):
-    """G = cumsum of g inside each chunk, in fp32: every later kernel works with decays relative to the chunk start.
-    REVERSE: the sum from each token to the chunk's end (the backward turns dG into dg with it). G may be g."""
+    """G = cumsum of g inside each chunk, in fp32: the kernels work with decays relative to the chunk start. The
+    forward's G comes from kda_intra_chunk_fwd, which sums g as it reads it; the backward uses this kernel for its
+    REVERSE sum, from each token to the chunk's end (it turns dG into dg). G may be g."""
     i_c, i_h = tl.program_id(0), tl.program_id(1)
     t0, eos = _chunk_bounds(i_c, cu_seqlens, chunk_indices, T, BT, IS_VARLEN)
     ar, cols = tl.arange(0, BT), tl.arange(0, BK)
@@ -187,6 +188,11 @@ def kda_gate_cumsum(g, G, cu_seqlens, chunk_indices, T, H: tl.constexpr, K: tl.c
     _store_tile(G, tl.cumsum(x, axis=0, reverse=REVERSE), t0, ar, cols, eos, H, K, i_h)
 
 # %% ../chapters/02_kda_kernel.ipynb #0d649d2f
+@triton.jit
+def _tile_row(x, r, NR: tl.constexpr):
+    "Row r of an (NR, D) register tile, as a (D,) vector."
+    return tl.sum(tl.where(tl.arange(0, NR)[:, None] == r, x, 0.), 0)
+
 @triton.jit
 def _diag_tile_factorised(q_i, k_i, G_i, G_mid, valid, DT: tl.constexpr, PREC: tl.constexpr, BC: tl.constexpr):
     """Aqk, Akk of a diagonal 16x16 tile as two tl.dot: exp(G_t - G_i) = exp(G_t - G_mid) * exp(G_mid - G_i).
@@ -201,20 +207,19 @@ def _diag_tile_factorised(q_i, k_i, G_i, G_mid, valid, DT: tl.constexpr, PREC: t
     return tl.where(j <= t, aqk, 0.), tl.where(j < t, akk, 0.)
 
 @triton.jit
-def _diag_tile_pairwise(q_i, k_i, G_i, k, G, row0, eos, i_h, cols, H: tl.constexpr, K: tl.constexpr,
+def _diag_tile_pairwise(q_i, k_i, G_i, k, row0, eos, i_h, cols, H: tl.constexpr, K: tl.constexpr,
                         BC: tl.constexpr):
     """Aqk, Akk of a diagonal tile for any gate: one column (key token j) at a time with its own exp(G_t - G_j),
     whose exponent is <= 0 for t >= j, so nothing overflows however strong the decay. No tensor cores: 16 x K exps
-    and products per column."""
+    and products per column. G_i: the tile's log-decays from any common origin (only differences matter)."""
     t = tl.arange(0, BC)
     aqk = tl.zeros([BC, BC], dtype=tl.float32)
     akk = tl.zeros([BC, BC], dtype=tl.float32)
     k_row = k + (row0.to(tl.int64) * H + i_h) * K + cols            # token row0; token row0 + j sits j*H*K further
-    G_row = G + (row0.to(tl.int64) * H + i_h) * K + cols
     for j in range(BC):
         live = cols < tl.where(row0 + j < eos, K, 0)                # a column past the end has k = 0
         k_j = tl.load(k_row + j * H * K, mask=live, other=0.).to(tl.float32)
-        G_j = tl.load(G_row + j * H * K, mask=live, other=0.)
+        G_j = _tile_row(G_i, j, BC)
         decay = tl.exp(tl.minimum(G_i - G_j[None, :], 0.))    # rows t < j are clamped, then masked
         col_q = tl.sum(q_i * k_j[None, :] * decay, 1)
         col_k = tl.sum(k_i * k_j[None, :] * decay, 1)
@@ -229,13 +234,15 @@ def _load_qkG(q, k, G, scale, row0, sub, cols, eos, H: tl.constexpr, K: tl.const
             _load_tile(G, row0, sub, cols, eos, H, K, i_h))
 
 @triton.jit
-def kda_intra_chunk_fwd(q, k, G, Aqk, Akk, scale, cu_seqlens, chunk_indices, T,
+def kda_intra_chunk_fwd(q, k, g, G, Aqk, Akk, scale, cu_seqlens, chunk_indices, T,
                         H: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, BK: tl.constexpr,
                         IS_VARLEN: tl.constexpr, BOUNDED: tl.constexpr, DIAG_DT: tl.constexpr,
                         PREC: tl.constexpr):
-    """Aqk and Akk of one row tile (16 tokens) of one chunk: its diagonal tile and the tiles left of it. One
-    program per row tile, so the four tiles of a chunk run side by side (one program per chunk held 246 registers
-    a thread and ran one block per SM). Tiles left of the diagonal (key block b < row block i) use the
+    """Aqk and Akk of one row tile (16 tokens) of one chunk: its diagonal tile and the tiles left of it, and the
+    tile's G (the gate's cumsum from the chunk start, fp32) for the kernels after it. One program per row tile, so
+    the four tiles of a chunk run side by side (one program per chunk held 246 registers a thread and ran one block
+    per SM). It reads g, not G: every decay it needs is a sum of g over tokens it loads anyway, so no separate
+    cumsum pass writes G first and reads g for it. Tiles left of the diagonal (key block b < row block i) use the
     first token of block i as reference: exp(G_t - G_ref) <= 1 and exp(G_ref - G_j) <= 1, exact for any gate.
     Diagonal tiles: factorised around the middle token (bounded gate) or pairwise (any gate)."""
     i, i_c, i_h = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -246,26 +253,35 @@ def kda_intra_chunk_fwd(q, k, G, Aqk, Akk, scale, cu_seqlens, chunk_indices, T,
     row0 = t0 + i * BC
     if row0 < eos:
         valid = (row0 + sub) < eos
-        q_i, k_i, G_i = _load_qkG(q, k, G, scale, row0, sub, cols, eos, H, K, i_h)
+        q_i = _load_tile(q, row0, sub, cols, eos, H, K, i_h) * scale
+        k_i = _load_tile(k, row0, sub, cols, eos, H, K, i_h)
+        L_i = tl.cumsum(_load_tile(g, row0, sub, cols, eos, H, K, i_h), axis=0)    # G_t - G just before the tile
         if BOUNDED:
-            G_mid = _load_row(G, tl.minimum(row0 + BC // 2, eos - 1), cols, H, K, i_h)
-            aqk, akk = _diag_tile_factorised(q_i, k_i, G_i, G_mid, valid, DIAG_DT, PREC, BC)
+            # past the sequence's end g = 0: a middle row past it holds the last token's value
+            aqk, akk = _diag_tile_factorised(q_i, k_i, L_i, _tile_row(L_i, BC // 2, BC), valid, DIAG_DT, PREC, BC)
         else:
-            aqk, akk = _diag_tile_pairwise(q_i, k_i, G_i, k, G, row0, eos, i_h, cols, H, K, BC)
+            aqk, akk = _diag_tile_pairwise(q_i, k_i, L_i, k, row0, eos, i_h, cols, H, K, BC)
         _store_cc(Aqk, aqk, t0, eos, i * BC, i * BC, H, BT, i_h, BC, BC)
         _store_cc(Akk, akk, t0, eos, i * BC, i * BC, H, BT, i_h, BC, BC)
+        L_ref = _tile_row(L_i, 0, BC)                                   # G_ref - G just before the tile: g_ref
+        to_ref = L_ref          # G_ref - G at the last token of key block b, walking b down from i - 1 to 0
         if i > 0:
-            G_ref = _load_row(G, row0, cols, H, K, i_h)
-            row_decay = tl.exp(tl.minimum(G_i - G_ref[None, :], 0.))
+            row_decay = tl.exp(tl.minimum(L_i - L_ref[None, :], 0.))
             q_dec = (q_i * row_decay).to(DT)
             k_dec = (k_i * row_decay).to(DT)
-            for b in range(i):
+            for bb in range(i):
+                b = i - 1 - bb
+                g_b = _load_tile(g, t0 + b * BC, sub, cols, eos, H, K, i_h)
+                g_sum = tl.sum(g_b, 0)
                 k_b = _load_tile(k, t0 + b * BC, sub, cols, eos, H, K, i_h)
-                G_b = _load_tile(G, t0 + b * BC, sub, cols, eos, H, K, i_h)
-                k_b = tl.trans((k_b * tl.exp(tl.minimum(G_ref[None, :] - G_b, 0.))).to(DT))
+                # G_ref - G_b = (G_ref - G at the block's last token) + the block's g after each token
+                ref_minus_b = to_ref[None, :] + g_sum[None, :] - tl.cumsum(g_b, axis=0)
+                k_b = tl.trans((k_b * tl.exp(tl.minimum(ref_minus_b, 0.))).to(DT))
                 _store_cc(Aqk, tl.dot(q_dec, k_b, input_precision=PREC), t0, eos, i * BC, b * BC, H, BT, i_h, BC, BC)
                 _store_cc(Akk, tl.dot(k_dec, k_b, input_precision=PREC), t0, eos, i * BC, b * BC, H, BT, i_h, BC, BC)
-
+                to_ref += g_sum
+        # to_ref is now G_ref itself (G is 0 before the chunk), so G just before the tile is to_ref - L_ref
+        _store_tile(G, L_i + (to_ref - L_ref)[None, :], row0, sub, cols, eos, H, K, i_h)
 
 # %% ../chapters/02_kda_kernel.ipynb #633a300e
 @triton.jit
@@ -455,11 +471,9 @@ def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     NC, dev, PREC, VL = ch.n_chunks, q.device, _dot_precision(q.dtype), ch.varlen
     f32 = dict(device=dev, dtype=torch.float32)
     G = torch.empty(B, T, H, K, **f32)
-    _launch(kda_gate_cumsum, lambda bk, bv: (NC, H), (K, V), g, G, *ch.args(), H=H, K=K, BT=BT, IS_VARLEN=VL,
-            REVERSE=False)
     Aqk = torch.empty(B, T, H, BT, device=dev, dtype=q.dtype)
     Akk = torch.empty(B, T, H, BT, **f32)
-    _launch(kda_intra_chunk_fwd, lambda bk, bv: (BT // BC, NC, H), (K, V), q, k, G, Aqk, Akk, scale, *ch.args(),
+    _launch(kda_intra_chunk_fwd, lambda bk, bv: (BT // BC, NC, H), (K, V), q, k, g, G, Aqk, Akk, scale, *ch.args(),
             H=H, K=K, BT=BT, BC=BC, IS_VARLEN=VL, BOUNDED=bounded, DIAG_DT=_diag_dtype(q.dtype), PREC=PREC)
     Tm = torch.empty(B, T, H, BT, **f32)
     _launch(kda_ut_solve_fwd, lambda bk, bv: (NC, H), (K, V), Akk, beta, Tm, *ch.args(), H=H, BT=BT, BC=BC,
