@@ -20,8 +20,9 @@ BALANCER_RUNS = ("none", "aux_loss", "sign_bias", "quantile")
 
 
 def run_balancers(preset: str, tokens: int, balancers=BALANCER_RUNS, extra=(), out_root="runs/balance",
-                  verbose: bool = True) -> dict:
-    "Train `preset` once per balancer at the same token budget and seed; returns {balancer: trainer summary}."
+                  verbose: bool = True, after_each=None) -> dict:
+    """Train `preset` once per balancer at the same token budget and seed; returns {balancer: trainer summary}.
+    after_each(runs so far) is called after every run, so a time limit that stops the sweep keeps the finished runs."""
     from moe_book.config import get_config, total_steps
     from moe_book.train import train
     runs = {}
@@ -37,6 +38,8 @@ def run_balancers(preset: str, tokens: int, balancers=BALANCER_RUNS, extra=(), o
         shutil.rmtree(Path(cfg.train.out_dir) / "ckpt", ignore_errors=True)
         print(f"balance: {bal} done in {time.time() - t0:.0f} s, held-out {runs[bal]['heldout_loss']:.4f}, "
               f"{json.dumps(maxvio_summary(runs[bal]['history']))}", flush=True)
+        if after_each:
+            after_each(runs)
     return runs
 
 
@@ -70,20 +73,26 @@ def main(argv=None):
     preset = a.preset or ("small" if torch.cuda.is_available() else "tiny")
     tokens = a.tokens or (3_145_728 if preset == "small" else 65_536)
     out = Path(a.out or f"results/balance_{preset}.json")
-    runs = run_balancers(preset, tokens, a.balancers.split(","), a.overrides, out_root=a.runs_dir, verbose=not a.quiet)
-    summary = {b: {"heldout_loss": r["heldout_loss"], "train_loss": r["train_loss"], "tokens": r["tokens"],
-                   "tokens_per_s": r["tokens_per_s"], **maxvio_summary(r["history"])} for b, r in runs.items()}
-    curves = {b: [{k: v for k, v in row.items() if k == "step" or k.endswith("/maxvio")} for row in r["history"]]
-              for b, r in runs.items()}
-    result = {"bench": "balance", "preset": preset, "overrides": a.overrides,
-              "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-              "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "tokens_per_run": tokens,
-              "maxvio_definition": "mean over the last 20% of logged steps of the per-step MaxVio (mean over MoE layers; "
-                                   "maxvio_worst: of the worst layer); MaxVio = (max load - mean load) / mean load",
-              "summary": summary, "maxvio_curves": curves}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    plot_maxvio(runs, out.with_suffix(".png"), f"{preset}: MaxVio per step, {tokens:,} tokens per run")
+    def write(runs):
+        summary = {b: {"heldout_loss": r["heldout_loss"], "train_loss": r["train_loss"], "tokens": r["tokens"],
+                       "tokens_per_s": r["tokens_per_s"], **maxvio_summary(r["history"])} for b, r in runs.items()}
+        curves = {b: [{k: v for k, v in row.items() if k == "step" or k.endswith("/maxvio")} for row in r["history"]]
+                  for b, r in runs.items()}
+        result = {"bench": "balance", "preset": preset, "overrides": a.overrides,
+                  "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                  "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "tokens_per_run": tokens,
+                  "maxvio_definition": "mean over the last 20% of logged steps of the per-step MaxVio (mean over MoE "
+                                       "layers; maxvio_worst: of the worst layer); MaxVio = (max load - mean load) / mean load",
+                  "summary": summary, "maxvio_curves": curves}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        plot_maxvio(runs, out.with_suffix(".png"), f"{preset}: MaxVio per step, {tokens:,} tokens per run")
+        return result
+
+    runs = run_balancers(preset, tokens, a.balancers.split(","), a.overrides, out_root=a.runs_dir,
+                         verbose=not a.quiet, after_each=write)
+    result = write(runs)
+    summary = result["summary"]
     print(f"balance: wrote {out} and {out.with_suffix('.png')}")
     for b, row in summary.items():
         print(f"  {b:>10}: held-out {row['heldout_loss']:.4f}  MaxVio {row['maxvio']:.3f} (worst layer {row['maxvio_worst']:.3f})")
