@@ -131,6 +131,37 @@ def test_residual_out_and_init():
 
 
 # ------------------------------------------------------------------------------------------------------- router
+def test_router_scores_fp32_gradients_in_the_autocast_dtype():
+    """The router's logits are fp32 with or without autocast (they pick the experts); under autocast the backward
+    runs in its dtype and saves x in it. Outside autocast it is the plain fp32 linear map."""
+    torch.manual_seed(0)
+    r = Router(64, 16, 4)
+    x = torch.randn(300, 64, requires_grad=True)
+    gs = torch.randn(300, 16)
+
+    def grads(autocast):
+        x.grad = r.proj.weight.grad = None
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.dtype) or t, lambda t: t):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                s = r.score(x)
+        s.backward(gs)
+        return s, x.grad.clone(), r.proj.weight.grad.clone(), saved
+
+    s32, dx32, dw32, saved32 = grads(False)
+    x2, w2 = x.detach().clone().requires_grad_(), r.proj.weight.detach().clone().requires_grad_()
+    ref = torch.sigmoid(torch.nn.functional.linear(x2, w2))
+    ref.backward(gs)
+    assert torch.equal(s32, ref) and rms_rel(dx32, x2.grad) < 1e-6 and rms_rel(dw32, w2.grad) < 1e-6
+    assert torch.bfloat16 not in saved32
+    s16, dx16, dw16, saved16 = grads(True)
+    assert s16.dtype == torch.float32 and torch.equal(s16, s32)     # selection sees the same fp32 scores
+    assert torch.bfloat16 in saved16 and dx16.dtype == torch.float32 and dw16.dtype == torch.float32
+    # each product in the backward carries up to three bf16 roundings (unit roundoff 2^-9 ~ 2e-3 each)
+    assert rms_rel(dx16, dx32) < 1e-2 and rms_rel(dw16, dw32) < 1e-2
+    assert rms_rel(dx16, dx32) > 0                                   # it really ran in bf16
+
+
 def test_bias_has_no_gradient_and_does_not_change_weights():
     torch.manual_seed(0)
     r = Router(16, 8, 2, route_scale=2.0)

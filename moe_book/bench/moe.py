@@ -133,10 +133,10 @@ def main(argv=None):
                                                                                device), 3 * layer_flops(T, d, L, E, k, h, ns))
     layer.balancer = make_balancer(cfg.moe).to(device)
 
-    # the router alone (fp32 GEMM, sigmoid, top-k) fwd+bwd: the part of the layer that is not bf16
+    # the router alone (fp32 logits GEMM, sigmoid, top-k; its backward in bf16) fwd+bwd
     def router_step():
         layer.router(x)[2].sum().backward()
-    record("router (fp32) alone", time_ms(router_step, [x, layer.router.proj.weight], device), 3 * 2 * T * d * E)
+    record("router alone (fp32 logits, bf16 backward)", time_ms(router_step, [x, layer.router.proj.weight], device), 3 * 2 * T * d * E)
 
     # (2) bare grouped_mm of the same expert GEMMs on rows already sorted by expert, same per-expert counts
     with torch.no_grad():
