@@ -89,9 +89,10 @@ def main(argv=None):
         plot_maxvio(runs, out.with_suffix(".png"), f"{preset}: MaxVio per step, {tokens:,} tokens per run")
         return result
 
-    runs = run_balancers(preset, tokens, a.balancers.split(","), a.overrides, out_root=a.runs_dir,
-                         verbose=not a.quiet, after_each=write)
-    result = write(runs)
+    written = []                                     # what write() wrote after each run; the last is the result
+    run_balancers(preset, tokens, a.balancers.split(","), a.overrides, out_root=a.runs_dir, verbose=not a.quiet,
+                  after_each=lambda runs: written.append(write(runs)))
+    result = written[-1]
     summary = result["summary"]
     print(f"balance: wrote {out} and {out.with_suffix('.png')}")
     for b, row in summary.items():

@@ -136,7 +136,8 @@ def main(argv=None):
     # the router alone (fp32 logits GEMM, sigmoid, top-k; its backward in bf16) fwd+bwd
     def router_step():
         layer.router(x)[2].sum().backward()
-    record("router alone (fp32 logits, bf16 backward)", time_ms(router_step, [x, layer.router.proj.weight], device), 3 * 2 * T * d * E)
+    record("router alone (fp32 logits, bf16 backward)", time_ms(router_step, [x, layer.router.proj.weight], device),
+           3 * 2 * T * d * E)
 
     # (2) bare grouped_mm of the same expert GEMMs on rows already sorted by expert, same per-expert counts
     with torch.no_grad():
