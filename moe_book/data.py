@@ -322,7 +322,7 @@ def main(argv=None):
     p.add_argument("--preset", default="tiny")
     p.add_argument("--force", action="store_true", help="rebuild even if intact shards exist")
     p.add_argument("overrides", nargs="*", help="config key=value overrides")
-    a = p.parse_args(argv)
+    a = p.parse_intermixed_args(argv)   # `prepare --preset small key=value`: overrides may follow an option
     cfg = get_config(a.preset, a.overrides)
     if a.command == "prepare":
         out = prepare(cfg, force=a.force)

@@ -76,6 +76,17 @@ def test_corrupt_truncated_and_mismatched_data_give_one_clear_error(tiny_data, t
         load_split(data_dir, "train", vocab_size=10)
 
 
+def test_data_cli_takes_overrides_after_an_option(tiny_data, capsys):
+    "`python -m moe_book.data info --preset tiny data.dir=...`: key=value overrides may follow --preset."
+    from moe_book.data import main
+    cfg, data_dir = tiny_data
+    main(["info", "--preset", "tiny", f"data.dir={cfg.data.dir}", "model.vocab_size=1024",
+          f"data.max_corpus_mb={cfg.data.max_corpus_mb}", f"data.tokenizer_sample_mb={cfg.data.tokenizer_sample_mb}",
+          f"data.long_doc_min_tokens={cfg.data.long_doc_min_tokens}"])
+    info = json.loads(capsys.readouterr().out)
+    assert info == {k: v for k, v in verify(data_dir).items() if k != "packages"}
+
+
 # ----------------------------------------------------------------------------------------------------- config
 @pytest.mark.parametrize("override, pattern", [
     ("model.d_modle=64", "unknown config key 'model.d_modle'"),
