@@ -116,8 +116,10 @@ def main(argv=None):
     layer = LatentMoE(cfg, 0).to(device)
     with torch.no_grad():   # a router with some spread, so loads are uneven the way trained routers are
         layer.router.proj.weight.normal_(0, 1.0 / d ** 0.5)
-    x = torch.randn(T, d, device=device, requires_grad=True)
-    gy = torch.randn(T, d, device=device)
+    # x in the autocast dtype: in the model the layer's input is its pre-norm's output, which autocast hands over in
+    # bf16 (an fp32 x, as until 2026-12-06, adds three casts of x and fp32 gradient sums the model never runs)
+    x = torch.randn(T, d, device=device, dtype=dtype, requires_grad=True)
+    gy = torch.randn(T, d, device=device, dtype=dtype)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
 
     def layer_step():
@@ -132,6 +134,16 @@ def main(argv=None):
     r_layer_q = record(f"LatentMoE layer ({a.act}) + quantile solve", time_ms(layer_step, [x, *layer.parameters()],
                                                                                device), 3 * layer_flops(T, d, L, E, k, h, ns))
     layer.balancer = make_balancer(cfg.moe).to(device)
+    if cuda:   # the layer fed an fp32 x, as this benchmark did until 2026-12-06: what the casts and fp32 sums cost
+        x32, gy32 = x.detach().float().requires_grad_(), gy.float()
+
+        def layer_step_fp32_x():
+            with autocast:
+                y = layer(x32)
+            y.backward(gy32)
+        record(f"LatentMoE layer ({a.act}), fp32 input", time_ms(layer_step_fp32_x, [x32, *layer.parameters()], device),
+               3 * layer_flops(T, d, L, E, k, h, ns))
+        del x32, gy32
 
     # the router alone (fp32 logits GEMM, sigmoid, top-k; its backward in bf16) fwd+bwd
     def router_step():
@@ -214,7 +226,7 @@ def main(argv=None):
         "hf_experts_tflops": r_hf["tflops"] if r_hf else None,
     }
     result = {"bench": "moe", "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-              "transformers": tf_version, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "dtype": str(dtype),
+              "transformers": tf_version, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "dtype": str(dtype), "layer_input_dtype": str(x.dtype),
               "shapes": s, "act": a.act, "balanced_loads": counts.tolist(), "rows": rows, "summary": summary,
               "hf": {"note": hf_note, "rms_rel_vs_ours": hf_err, "profiler_saw_grouped_mm": hf_grouped},
               "fused_activation": {f.__name__: ("eager (compile failed)" if c is False else "torch.compile") for f, c in _FUSED.items()}}
