@@ -180,10 +180,11 @@ def small() -> Config:
     """The reference GPU preset (one H200), the complete system; the peer is HF KimiLinear at the same shape:
     16 layers (12 KDA + every 4th a Gated MLA), Block AttnRes over blocks of 4 layers, layer 0 a dense SwiGLU of
     2816, the others Latent MoE (128 experts top-8 of width 256 in a 512-wide latent, 1 shared, SiTU-GLU, Quantile
-    Balancing). The default budget, 16M tokens (488 steps of 8 x 4096), is about 2.2 minutes of steps at the 123.5K
-    tokens/s measured while training on one H200 (results/train_small_gpu.json, 2026-12-04); compilation (about a
-    minute), evaluations, checkpoints and preparing the 400 MB corpus add about 3 more (estimated from that run,
-    which prepared 150 MB and was capped at 2 minutes; a default run to its end has not been timed yet)."""
+    Balancing with a 0.01 tie-breaker on the scores that pick: chapter 05's GPU run balanced every layer with it).
+    The default budget, 16M tokens (488 steps of 8 x 4096), is about 2.2 minutes of steps at the 123.5K tokens/s
+    measured while training on one H200 (results/train_small_gpu.json, 2026-12-04); compilation (about a minute),
+    evaluations, checkpoints and preparing the 400 MB corpus add about 3 more (estimated from that run, which
+    prepared 150 MB and was capped at 2 minutes; a default run to its end has not been timed yet)."""
     model = ModelConfig(
         vocab_size=32768, d_model=1024, n_layers=16, max_seq_len=4096, mixer="kda", global_mixer="mla",
         n_heads=8, head_dim=128, d_ff=2816, d_ff_dense=2816, global_every=4,
@@ -191,7 +192,7 @@ def small() -> Config:
         kda=KDAConfig(n_heads=8, head_dim=128, gate_rank=128),
         mla=MLAConfig(n_heads=8, kv_lora=256, qk_nope=64, qk_rope=32, v_head=128),
         moe=MoEConfig(n_experts=128, top_k=8, d_expert=256, n_shared=1, latent_dim=512, act="situ",
-                      balancer="quantile"),
+                      balancer="quantile", selection_jitter=0.01),
     )
     data = DataConfig(name="small", max_corpus_mb=400.0, tokenizer_sample_mb=64.0)
     train = TrainConfig(batch_size=8, seq_len=4096, steps=0, tokens=16_000_000, lr=1.5e-3, warmup_steps=50,
