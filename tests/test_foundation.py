@@ -129,7 +129,7 @@ def test_presets_turn_every_piece_on():
     assert (t.n_layers, t.attnres_block, t.moe.n_experts, t.moe.top_k) == (4, 2, 8, 2)
     assert (s.n_layers, s.d_model, s.attnres_block, s.d_ff_dense, s.moe.n_experts, s.moe.top_k, s.moe.d_expert,
             s.moe.latent_dim) == (16, 1024, 4, 2816, 128, 8, 256, 512)
-    # the tie-breaker on the picking scores: on for the small preset (chapter 05's GPU A/B), off for the CPU toy
+    # the tie-breaker on the picking scores: on for the small preset (chapter 05's GPU balance run used it), off for the CPU toy
     assert s.moe.selection_jitter == 0.01 and t.moe.selection_jitter == 0
     b = get_config("tiny", BASELINE).model
     assert {b.mixer_of(i) for i in range(4)} == {"attn"} and {b.ffn_of(i) for i in range(4)} == {"mlp"}

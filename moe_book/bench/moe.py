@@ -121,29 +121,22 @@ def main(argv=None):
     x = torch.randn(T, d, device=device, dtype=dtype, requires_grad=True)
     gy = torch.randn(T, d, device=device, dtype=dtype)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda)
+    flops = 3 * layer_flops(T, d, L, E, k, h, ns)
 
-    def layer_step():
-        with autocast:
-            y = layer(x)
-        y.backward(gy)
-    layer_step()
-    r_layer = record(f"LatentMoE layer ({a.act})", time_ms(layer_step, [x, *layer.parameters()], device),
-                     3 * layer_flops(T, d, L, E, k, h, ns))
+    def time_layer(name, x, gy):
+        def layer_step():
+            with autocast:
+                y = layer(x)
+            y.backward(gy)
+        layer_step()
+        return record(name, time_ms(layer_step, [x, *layer.parameters()], device), flops)
+    r_layer = time_layer(f"LatentMoE layer ({a.act})", x, gy)
     # the same layer as the small preset trains it: the quantile balancer solves this batch's bias in the forward
     layer.balancer = make_balancer(replace(cfg.moe, balancer="quantile")).to(device)
-    r_layer_q = record(f"LatentMoE layer ({a.act}) + quantile solve", time_ms(layer_step, [x, *layer.parameters()],
-                                                                               device), 3 * layer_flops(T, d, L, E, k, h, ns))
+    r_layer_q = time_layer(f"LatentMoE layer ({a.act}) + quantile solve", x, gy)
     layer.balancer = make_balancer(cfg.moe).to(device)
     if cuda:   # the layer fed an fp32 x, as this benchmark did until 2026-12-06: what the casts and fp32 sums cost
-        x32, gy32 = x.detach().float().requires_grad_(), gy.float()
-
-        def layer_step_fp32_x():
-            with autocast:
-                y = layer(x32)
-            y.backward(gy32)
-        record(f"LatentMoE layer ({a.act}), fp32 input", time_ms(layer_step_fp32_x, [x32, *layer.parameters()], device),
-               3 * layer_flops(T, d, L, E, k, h, ns))
-        del x32, gy32
+        time_layer(f"LatentMoE layer ({a.act}), fp32 input", x.detach().float().requires_grad_(), gy.float())
 
     # the router alone (fp32 logits GEMM, sigmoid, top-k; its backward in bf16) fwd+bwd
     def router_step():
@@ -226,7 +219,8 @@ def main(argv=None):
         "hf_experts_tflops": r_hf["tflops"] if r_hf else None,
     }
     result = {"bench": "moe", "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-              "transformers": tf_version, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "dtype": str(dtype), "layer_input_dtype": str(x.dtype),
+              "transformers": tf_version, "date": time.strftime("%Y-%m-%d %H:%M:%S"), "dtype": str(dtype),
+              "layer_input_dtype": str(x.dtype),
               "shapes": s, "act": a.act, "balanced_loads": counts.tolist(), "rows": rows, "summary": summary,
               "hf": {"note": hf_note, "rms_rel_vs_ours": hf_err, "profiler_saw_grouped_mm": hf_grouped},
               "fused_activation": {f.__name__: ("eager (compile failed)" if c is False else "torch.compile") for f, c in _FUSED.items()}}
