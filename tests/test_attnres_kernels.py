@@ -72,3 +72,76 @@ def test_block_attnres_with_triton_mixes_matches_the_compiled_mixes():
     assert _rel(res[1][0], res[0][0]) < 1e-5
     for ga, gb in zip(res[0][1], res[1][1]):
         assert _rel(gb, ga) < 1e-4
+
+
+@pytest.mark.parametrize("B,T,q,d,eps", [(1, 1, 1, 16, 1e-6), (2, 5, 3, 200, 1e-6), (3, 3, 2, 64, 0.0)])
+def test_triton_merge_equals_merge_partial_normed(B, T, q, d, eps):
+    """Forward and the five gradients against merge_partial_normed in fp64, u read in place from a slice of U (the
+    layout of the two-phase mixes). B*T is never a multiple of the backward's 2-row tiles here, so tiles run past the
+    last token; eps=0 checks those rows stay finite. Tolerance: fp32 sums over d (forward) and over B*T*d (the
+    weight gradients), a few ulps of fp32 relative to the largest value."""
+    from moe_book.kernels.attnres_mix import merge_partial_normed_triton
+    from moe_book.layers.attnres import merge_partial_normed
+    gen = torch.Generator().manual_seed(B * T * q + d)
+    rnd = lambda *shape, s=1.0: (s * torch.randn(*shape, generator=gen)).to(DEV).requires_grad_()
+    U, lse, p, w = rnd(B, T, q, d), rnd(B, T, q, s=2.0), rnd(B, T, d), rnd(d)
+    g = (1 + 0.1 * torch.randn(d, generator=gen)).to(DEV).requires_grad_()
+    dy = torch.randn(B, T, d, generator=gen).to(DEV)
+    j = q - 1
+    y, lam = merge_partial_normed_triton(U[..., j, :], lse[..., j], p, w, eps, g, 1e-5, torch.float32)
+    assert y.dtype == torch.float32 and lam.shape == (B, T, 1) and not lam.requires_grad
+    got = torch.autograd.grad((y * dy).sum(), (U, lse, p, w, g))
+    ins64 = [t.detach().double().requires_grad_() for t in (U, lse, p, w, g)]
+    U64, l64, p64, w64, g64 = ins64
+    y_ref, lam_ref = merge_partial_normed(U64[..., j, :], l64[..., j], p64, w64, eps, g64, 1e-5, torch.float64)
+    ref = torch.autograd.grad((y_ref * dy.double()).sum(), ins64)
+    assert _rel(y, y_ref) < 1e-6 and _rel(lam, lam_ref) < 1e-6
+    for name, a, b in zip(("dU", "dlse", "dp", "dw", "dnorm_w"), got, ref):
+        assert torch.isfinite(a).all() and _rel(a, b) < 1e-5, name
+
+
+def test_triton_merge_dtypes_and_bad_shapes():
+    "bf16 out for the bf16 autocast dtype, gradients in each input's dtype; mismatched shapes are refused by name."
+    from moe_book.kernels.attnres_mix import merge_partial_normed_triton
+    from moe_book.layers.attnres import merge_partial_normed
+    gen = torch.Generator().manual_seed(7)
+    u, p = torch.randn(1, 4, 32, generator=gen).to(DEV), torch.randn(1, 4, 32, generator=gen).to(DEV, torch.bfloat16)
+    lse, w, g = torch.randn(1, 4, generator=gen).to(DEV), torch.randn(32, generator=gen).to(DEV), torch.ones(32).to(DEV)
+    p.requires_grad_()
+    y, _ = merge_partial_normed_triton(u, lse, p, w, 1e-6, g, 1e-6, torch.bfloat16)
+    y_ref, _ = merge_partial_normed(u.double(), lse.double(), p.double(), w.double(), 1e-6, g.double(), 1e-6, torch.float64)
+    # one conversion of the output to bf16: half a bf16 spacing (2^-8 relative) rounded on the GPU, up to a whole one
+    # (2^-7) in the interpreter, which truncates
+    assert y.dtype == torch.bfloat16 and _rel(y, y_ref) < 2 ** -7
+    (gp,) = torch.autograd.grad(y.float().sum(), p)
+    assert gp.dtype == torch.bfloat16
+    with pytest.raises(ValueError, match=r"u and partial \(B, T, d\)"):
+        merge_partial_normed_triton(u, lse[:, :3], p, w, 1e-6, g, 1e-6, torch.float32)
+
+
+@pytest.mark.gpu
+def test_block_attnres_with_triton_merge_matches_the_compiled_merge():
+    "The whole fused two-phase read path through read_normed, with each merge kernel: same reads, same gradients."
+    from moe_book.layers.base import RMSNorm
+    cfg = get_config("tiny", ["model.n_layers=4", "model.d_model=64", "model.attnres_block=2"]).model
+    torch.manual_seed(0)
+    a, b = BlockAttnRes(cfg).cuda(), BlockAttnRes(cfg, triton_merge=True).cuda()
+    norms = torch.nn.ModuleList(RMSNorm(64) for _ in range(8)).cuda()
+    for q in a.queries:
+        torch.nn.init.normal_(q, std=0.5)
+    for n in norms:
+        torch.nn.init.normal_(n.weight, 1.0, 0.1)
+    b.load_state_dict(a.state_dict())
+    e = torch.randn(2, 16, 64, device="cuda", requires_grad=True)
+    outs = [torch.randn(2, 16, 64, device="cuda") for _ in range(8)]
+    res = []
+    for r in (a, b):
+        st, reads = r.begin(e), []
+        for i, o in enumerate(outs):
+            reads.append(r.read_normed(st, i, norms[i]))
+            st = r.write(st, i, o)
+        y = torch.stack(reads + [r.end(st)])
+        res.append((y, torch.autograd.grad(y.square().sum(), [e, *r.queries, *norms.parameters()])))
+    assert _rel(res[1][0], res[0][0]) < 1e-5
+    for ga, gb in zip(res[0][1], res[1][1]):
+        assert _rel(gb, ga) < 1e-4

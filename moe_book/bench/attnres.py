@@ -77,11 +77,12 @@ def depth_profile(model, idx, targets, autocast=None) -> dict:
 BENCH_ARMS = {"plain": ["model.residual=plain"], "block_attnres": ["model.residual=block_attnres"]}
 
 
-def step_time(cfg, device, steps: int = 10, warmup: int = 3, fused=None, two_phase=None, triton_mixes=None) -> dict:
+def step_time(cfg, device, steps: int = 10, warmup: int = 3, fused=None, two_phase=None, triton_mixes=None,
+              triton_merge=None) -> dict:
     """Median ms of one training step (fwd + bwd + clip + AdamW, bf16 autocast on CUDA) and peak memory, random
     tokens, run the way the trainer runs it: one replayed CUDA graph where the trainer would use one
     (train.cuda_graph; an eager step on this host is partly launch-bound, chapter 09), else eager. `fused`/`two_phase`
-    set BlockAttnRes's path (None: its defaults), `triton_mixes` its block mixes kernel; warmup steps absorb
+    set BlockAttnRes's path (None: its defaults), `triton_mixes` / `triton_merge` its block mixes and merge kernels; warmup steps absorb
     compilation and the graph capture."""
     from moe_book.train import GraphedStep, make_optimizer, training_step, use_cuda_graph
     torch.manual_seed(cfg.train.seed)
@@ -92,6 +93,8 @@ def step_time(cfg, device, steps: int = 10, warmup: int = 3, fused=None, two_pha
         model.residual.two_phase = two_phase
     if triton_mixes is not None:
         model.residual.triton_mixes = triton_mixes
+    if triton_merge is not None:
+        model.residual.triton_merge = triton_merge
     opt = make_optimizer(model, cfg, device)
     B, T = cfg.train.batch_size, cfg.train.seq_len
     x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), device=device)
@@ -206,6 +209,8 @@ def main(argv=None):
     p.add_argument("--out", default="results/attnres_ab.json")
     p.add_argument("--default-path-only", action="store_true",
                    help="CUDA: time plain vs the default Block AttnRes path only (skip the one-read and eager arms)")
+    p.add_argument("--arms", default=None,
+                   help="CUDA: comma-separated timing arms to run (default: all; plain and block_attnres always run)")
     p.add_argument("overrides", nargs="*", help="key=value config overrides for both arms")
     a = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -228,13 +233,17 @@ def main(argv=None):
     timing_arms = [("plain", cfgs["plain"], None, None), ("block_attnres", cfgs["block_attnres"], None, None)]
     if device.type == "cuda" and not a.default_path_only:
         timing_arms += [("block_attnres_compiled_mixes", cfgs["block_attnres"], None, None),
+                        ("block_attnres_triton_merge", cfgs["block_attnres"], None, None),
                         ("block_attnres_fused_one_read", cfgs["block_attnres"], True, False),
                         ("block_attnres_eager", cfgs["block_attnres"], False, False)]
+    if a.arms:
+        timing_arms = [t for t in timing_arms if t[0] in ("plain", "block_attnres") or t[0] in a.arms.split(",")]
     for arm, cfg, fused, two_phase in timing_arms:
         t0 = time.time()
         try:
             res["timing"][arm] = r = step_time(cfg, device, a.time_steps, a.warmup, fused, two_phase,
-                                               triton_mixes=False if arm == "block_attnres_compiled_mixes" else None)
+                                               triton_mixes=False if arm == "block_attnres_compiled_mixes" else None,
+                                               triton_merge=True if arm == "block_attnres_triton_merge" else None)
         except Exception as e:                     # keep the other arms' numbers; say what failed
             if device.type != "cuda" or arm in ("plain", "block_attnres_eager"):
                 raise
@@ -255,7 +264,8 @@ def main(argv=None):
     res["summary"] = {"step_time_overhead": tb["ms"] / tp["ms"] - 1,
                       "peak_mem_overhead": tb["peak_gib"] / tp["peak_gib"] - 1 if tp["peak_gib"] else None,
                       "block_read_path": res["block_read_path"]}
-    for arm in ("block_attnres_compiled_mixes", "block_attnres_fused_one_read", "block_attnres_eager"):
+    for arm in ("block_attnres_compiled_mixes", "block_attnres_triton_merge", "block_attnres_fused_one_read",
+                "block_attnres_eager"):
         if arm in res["timing"]:
             res["summary"][f"step_time_overhead_{arm[len('block_attnres_'):]}"] = res["timing"][arm]["ms"] / tp["ms"] - 1
     if a.steps > 0:

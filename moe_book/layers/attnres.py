@@ -221,14 +221,17 @@ class BlockAttnRes(_Readers):
     that the readers' RMSNorm removes (see chapter 04). `fused`: run the depth mixing through torch.compile (None:
     on CUDA). `two_phase`: mix the completed blocks for all readers of a block at once when it opens (None: when
     fused). `triton_mixes`: on CUDA, those mixes through moe_book.kernels.attnres_mix instead of torch.compile
-    (None: when fused)."""
+    (None: when fused). `triton_merge`: on CUDA, each read's merge with its pre-norm through the same module's
+    kernel instead of torch.compile (off until it has been timed on a GPU; None: when fused)."""
 
     def __init__(self, cfg: ModelConfig, block_sublayers: int = None, fused: Optional[bool] = None,
-                 two_phase: Optional[bool] = None, triton_mixes: Optional[bool] = None):
+                 two_phase: Optional[bool] = None, triton_mixes: Optional[bool] = None,
+                 triton_merge: Optional[bool] = False):
         super().__init__(cfg)
         self.fused = DEFAULT_FUSED if fused is None else fused
         self.two_phase = DEFAULT_TWO_PHASE if two_phase is None else two_phase
         self.triton_mixes = triton_mixes
+        self.triton_merge = triton_merge
         S = 2 * cfg.attnres_block if block_sublayers is None else block_sublayers
         if not isinstance(S, int) or S < 1:
             raise ValueError(f"BlockAttnRes: block_sublayers={S!r} must be a positive number of sublayers "
@@ -303,7 +306,8 @@ class BlockAttnRes(_Readers):
 
     def read_normed(self, state: BlockState, i: int, norm):
         """norm(read(state, i)). On the fused two-phase path a read that merges a partial sum runs the merge and the
-        pre-norm (an RMSNorm) as one kernel, merge_partial_normed: h never goes to memory."""
+        pre-norm (an RMSNorm) as one kernel each way (merge_partial_normed through torch.compile, or on CUDA
+        kernels.attnres_mix's merge_partial_normed_triton, see `triton_merge`): h never goes to memory."""
         if i == 0 or state.mixes is None or state.partial is None or not self._fused(state.partial) \
                 or type(norm) is not RMSNorm:
             return norm(self.read(state, i))
@@ -311,12 +315,20 @@ class BlockAttnRes(_Readers):
         dtype = out_dtype(state.partial, norm.weight)        # the autocast dtype: asked before autocast is turned off
         j = i - state.first
         with _no_autocast(state.blocks):
-            y, lam = compiled(merge_partial_normed)(state.mixes[j], state.lse[..., j], state.partial, self.query(i),
-                                                    self.eps, norm.weight, norm.eps, dtype)
+            merge = self._merge_normed_fn(state.partial)
+            y, lam = merge(state.mixes[j], state.lse[..., j], state.partial, self.query(i), self.eps, norm.weight,
+                           norm.eps, dtype)
             alpha = self._merged_alpha(state.logits[..., j], lam)
         if alpha is not None:
             self._keep(i, alpha)
         return y
+
+    def _merge_normed_fn(self, x):
+        triton = self._fused(x) if self.triton_merge is None else self.triton_merge
+        if triton and x.is_cuda:
+            from moe_book.kernels.attnres_mix import merge_partial_normed_triton
+            return merge_partial_normed_triton
+        return compiled(merge_partial_normed)
 
     def read(self, state: BlockState, i: int):
         self._check(state.count, i, "read")
