@@ -51,11 +51,9 @@ def test_triton_mixes_bf16_blocks_and_bad_shapes():
         block_open_mixes_triton(logits, blocks[:, :, :1])
 
 
-@pytest.mark.gpu
-def test_block_attnres_with_triton_mixes_matches_the_compiled_mixes():
-    cfg = get_config("tiny", ["model.n_layers=4", "model.d_model=64", "model.attnres_block=1"]).model
-    torch.manual_seed(0)
-    a, b = BlockAttnRes(cfg, triton_mixes=False).cuda(), BlockAttnRes(cfg, triton_mixes=True).cuda()
+def _drive_both_agree(a, b, read, params=()):
+    """Drive two BlockAttnRes (a's random queries copied into b) through 8 sublayers on the GPU with `read(res, state,
+    i)`: the reads and the gradients of e, the queries and `params` must agree to fp32 rounding of the mixes' sums."""
     for q in a.queries:
         torch.nn.init.normal_(q, std=0.5)
     b.load_state_dict(a.state_dict())
@@ -65,13 +63,21 @@ def test_block_attnres_with_triton_mixes_matches_the_compiled_mixes():
     for r in (a, b):
         st, reads = r.begin(e), []
         for i, o in enumerate(outs):
-            reads.append(r.read(st, i))
+            reads.append(read(r, st, i))
             st = r.write(st, i, o)
         y = torch.stack(reads + [r.end(st)])
-        res.append((y, torch.autograd.grad(y.square().sum(), [e, *r.queries])))
+        res.append((y, torch.autograd.grad(y.square().sum(), [e, *r.queries, *params])))
     assert _rel(res[1][0], res[0][0]) < 1e-5
     for ga, gb in zip(res[0][1], res[1][1]):
         assert _rel(gb, ga) < 1e-4
+
+
+@pytest.mark.gpu
+def test_block_attnres_with_triton_mixes_matches_the_compiled_mixes():
+    cfg = get_config("tiny", ["model.n_layers=4", "model.d_model=64", "model.attnres_block=1"]).model
+    torch.manual_seed(0)
+    a, b = BlockAttnRes(cfg, triton_mixes=False).cuda(), BlockAttnRes(cfg, triton_mixes=True).cuda()
+    _drive_both_agree(a, b, lambda r, st, i: r.read(st, i))
 
 
 @pytest.mark.parametrize("B,T,q,d,eps", [(1, 1, 1, 16, 1e-6), (2, 5, 3, 200, 1e-6), (3, 3, 2, 64, 0.0)])
@@ -127,21 +133,6 @@ def test_block_attnres_with_triton_merge_matches_the_compiled_merge():
     torch.manual_seed(0)
     a, b = BlockAttnRes(cfg).cuda(), BlockAttnRes(cfg, triton_merge=True).cuda()
     norms = torch.nn.ModuleList(RMSNorm(64) for _ in range(8)).cuda()
-    for q in a.queries:
-        torch.nn.init.normal_(q, std=0.5)
     for n in norms:
         torch.nn.init.normal_(n.weight, 1.0, 0.1)
-    b.load_state_dict(a.state_dict())
-    e = torch.randn(2, 16, 64, device="cuda", requires_grad=True)
-    outs = [torch.randn(2, 16, 64, device="cuda") for _ in range(8)]
-    res = []
-    for r in (a, b):
-        st, reads = r.begin(e), []
-        for i, o in enumerate(outs):
-            reads.append(r.read_normed(st, i, norms[i]))
-            st = r.write(st, i, o)
-        y = torch.stack(reads + [r.end(st)])
-        res.append((y, torch.autograd.grad(y.square().sum(), [e, *r.queries, *norms.parameters()])))
-    assert _rel(res[1][0], res[0][0]) < 1e-5
-    for ga, gb in zip(res[0][1], res[1][1]):
-        assert _rel(gb, ga) < 1e-4
+    _drive_both_agree(a, b, lambda r, st, i: r.read_normed(st, i, norms[i]), list(norms.parameters()))
