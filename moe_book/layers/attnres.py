@@ -222,11 +222,11 @@ class BlockAttnRes(_Readers):
     on CUDA). `two_phase`: mix the completed blocks for all readers of a block at once when it opens (None: when
     fused). `triton_mixes`: on CUDA, those mixes through moe_book.kernels.attnres_mix instead of torch.compile
     (None: when fused). `triton_merge`: on CUDA, each read's merge with its pre-norm through the same module's
-    kernel instead of torch.compile (off until it has been timed on a GPU; None: when fused)."""
+    kernel instead of torch.compile (None: when fused)."""
 
     def __init__(self, cfg: ModelConfig, block_sublayers: int = None, fused: Optional[bool] = None,
                  two_phase: Optional[bool] = None, triton_mixes: Optional[bool] = None,
-                 triton_merge: Optional[bool] = False):
+                 triton_merge: Optional[bool] = None):
         super().__init__(cfg)
         self.fused = DEFAULT_FUSED if fused is None else fused
         self.two_phase = DEFAULT_TWO_PHASE if two_phase is None else two_phase
