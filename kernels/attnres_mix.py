@@ -125,8 +125,9 @@ def block_open_mixes_triton(logits, blocks):
 
 # %% ../chapters/04_attnres.ipynb #b7d3e1a1
 @triton.jit
-def _merge_rows(U, LSE, P, W, rows, cols, live, D, su, sp_, eps):
-    "A tile of rows of the merge, recomputed from its inputs: u, p, w (fp32), p . w, the partial's rms factor, lam, h."
+def _merge_rows(U, LSE, P, W, rows, cols, live, D, su, sp_, eps, norm_eps):
+    """A tile of rows of the merge, recomputed from its inputs: u, p, w (fp32), p . w, the partial's rms factor, lam,
+    h, and the pre-norm's rms factor of h."""
     mask = live[:, None] & (cols < D)[None, :]
     u = tl.load(U + rows[:, None] * su + cols[None, :], mask=mask, other=0.0).to(tl.float32)
     p = tl.load(P + rows[:, None] * sp_ + cols[None, :], mask=mask, other=0.0).to(tl.float32)
@@ -136,7 +137,8 @@ def _merge_rows(U, LSE, P, W, rows, cols, live, D, su, sp_, eps):
     rp = tl.where(live, tl.rsqrt(tl.sum(p * p, axis=1) / D + eps), 0.0)    # rows past M stay finite (eps may be 0)
     lam = tl.sigmoid(lse - pw * rp)
     h = lam[:, None] * u + (1 - lam[:, None]) * p
-    return u, p, w, pw, rp, lam, h, mask
+    r = tl.where(live, tl.rsqrt(tl.sum(h * h, axis=1) / D + norm_eps), 0.0)
+    return u, p, w, pw, rp, lam, h, r, mask
 
 
 @triton.jit
@@ -145,9 +147,8 @@ def merge_norm_fwd_kernel(U, LSE, P, W, NW, Y, LAM, M, D, su, sp_, eps, norm_eps
     rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     live = rows < M
-    u, p, w, pw, rp, lam, h, mask = _merge_rows(U, LSE, P, W, rows, cols, live, D, su, sp_, eps)
+    u, p, w, pw, rp, lam, h, r, mask = _merge_rows(U, LSE, P, W, rows, cols, live, D, su, sp_, eps, norm_eps)
     nw = tl.load(NW + cols, mask=cols < D, other=0.0).to(tl.float32)
-    r = tl.where(live, tl.rsqrt(tl.sum(h * h, axis=1) / D + norm_eps), 0.0)
     tl.store(Y + rows[:, None] * D + cols[None, :], (h * r[:, None] * nw[None, :]).to(Y.dtype.element_ty), mask=mask)
     tl.store(LAM + rows, lam, mask=live)
 
@@ -165,9 +166,8 @@ def merge_norm_bwd_kernel(U, LSE, P, W, NW, DY, DU, DP, DLSE, DW_PART, DNW_PART,
     for t in range(pid, tl.cdiv(M, BLOCK_M), nprog):
         rows = (t * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         live = rows < M
-        u, p, w, pw, rp, lam, h, mask = _merge_rows(U, LSE, P, W, rows, cols, live, D, su, sp_, eps)
+        u, p, w, pw, rp, lam, h, r, mask = _merge_rows(U, LSE, P, W, rows, cols, live, D, su, sp_, eps, norm_eps)
         dy = tl.load(DY + rows[:, None] * D + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-        r = tl.where(live, tl.rsqrt(tl.sum(h * h, axis=1) / D + norm_eps), 0.0)
         xhat = h * r[:, None]
         dnw_acc += dy * xhat
         g = dy * nw[None, :]
@@ -192,7 +192,8 @@ def _sm_count(device) -> int:
 
 
 def _as_rows(x):
-    "x (B, T, D) with unit stride along D as (tensor, row stride): a view whose rows are evenly spaced (a reader's mix, a slice of U) is used in place."
+    """x (B, T, D) with unit stride along D as (tensor, row stride): a view whose rows are evenly spaced (a reader's
+    mix, a slice of U) is used in place, anything else copied."""
     if x.stride(-1) != 1 or x.stride(0) != x.shape[1] * x.stride(1):
         x = x.contiguous()
     return x, x.stride(1)

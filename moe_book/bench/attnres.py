@@ -77,24 +77,19 @@ def depth_profile(model, idx, targets, autocast=None) -> dict:
 BENCH_ARMS = {"plain": ["model.residual=plain"], "block_attnres": ["model.residual=block_attnres"]}
 
 
-def step_time(cfg, device, steps: int = 10, warmup: int = 3, fused=None, two_phase=None, triton_mixes=None,
-              triton_merge=None) -> dict:
+def step_time(cfg, device, steps: int = 10, warmup: int = 3, **residual) -> dict:
     """Median ms of one training step (fwd + bwd + clip + AdamW, bf16 autocast on CUDA) and peak memory, random
     tokens, run the way the trainer runs it: one replayed CUDA graph where the trainer would use one
-    (train.cuda_graph; an eager step on this host is partly launch-bound, chapter 09), else eager. `fused`/`two_phase`
-    set BlockAttnRes's path (None: its defaults), `triton_mixes` / `triton_merge` its block mixes and merge kernels; warmup steps absorb
-    compilation and the graph capture."""
+    (train.cuda_graph; an eager step on this host is partly launch-bound, chapter 09), else eager. `residual`:
+    BlockAttnRes attributes to set instead of its defaults (fused, two_phase, triton_mixes, triton_merge); warmup
+    steps absorb compilation and the graph capture."""
     from moe_book.train import GraphedStep, make_optimizer, training_step, use_cuda_graph
     torch.manual_seed(cfg.train.seed)
     model = CausalLM(cfg.model).to(device)
-    if fused is not None:
-        model.residual.fused = fused
-    if two_phase is not None:
-        model.residual.two_phase = two_phase
-    if triton_mixes is not None:
-        model.residual.triton_mixes = triton_mixes
-    if triton_merge is not None:
-        model.residual.triton_merge = triton_merge
+    for name, value in residual.items():
+        if not hasattr(model.residual, name):
+            raise ValueError(f"step_time: {type(model.residual).__name__} has no setting {name!r}")
+        setattr(model.residual, name, value)
     opt = make_optimizer(model, cfg, device)
     B, T = cfg.train.batch_size, cfg.train.seq_len
     x = torch.randint(0, cfg.model.vocab_size, (B, T + 1), device=device)
@@ -230,20 +225,18 @@ def main(argv=None):
           f"Block AttnRes over {res['shapes']['n_blocks']} blocks of {m.attnres_block} layers", flush=True)
     # block_attnres runs the default path (CUDA: fused two-phase; CPU: eager, one read at a time); on CUDA the other
     # paths are timed too, to show what each piece buys.
-    timing_arms = [("plain", cfgs["plain"], None, None), ("block_attnres", cfgs["block_attnres"], None, None)]
+    timing_arms = [("plain", cfgs["plain"], {}), ("block_attnres", cfgs["block_attnres"], {})]
     if device.type == "cuda" and not a.default_path_only:
-        timing_arms += [("block_attnres_compiled_mixes", cfgs["block_attnres"], None, None),
-                        ("block_attnres_compiled_merge", cfgs["block_attnres"], None, None),
-                        ("block_attnres_fused_one_read", cfgs["block_attnres"], True, False),
-                        ("block_attnres_eager", cfgs["block_attnres"], False, False)]
+        timing_arms += [("block_attnres_compiled_mixes", cfgs["block_attnres"], dict(triton_mixes=False)),
+                        ("block_attnres_compiled_merge", cfgs["block_attnres"], dict(triton_merge=False)),
+                        ("block_attnres_fused_one_read", cfgs["block_attnres"], dict(fused=True, two_phase=False)),
+                        ("block_attnres_eager", cfgs["block_attnres"], dict(fused=False, two_phase=False))]
     if a.arms:
         timing_arms = [t for t in timing_arms if t[0] in ("plain", "block_attnres") or t[0] in a.arms.split(",")]
-    for arm, cfg, fused, two_phase in timing_arms:
+    for arm, cfg, residual in timing_arms:
         t0 = time.time()
         try:
-            res["timing"][arm] = r = step_time(cfg, device, a.time_steps, a.warmup, fused, two_phase,
-                                               triton_mixes=False if arm == "block_attnres_compiled_mixes" else None,
-                                               triton_merge=False if arm == "block_attnres_compiled_merge" else None)
+            res["timing"][arm] = r = step_time(cfg, device, a.time_steps, a.warmup, **residual)
         except Exception as e:                     # keep the other arms' numbers; say what failed
             if device.type != "cuda" or arm in ("plain", "block_attnres_eager"):
                 raise
@@ -253,7 +246,7 @@ def main(argv=None):
                 continue
             attnres_mod.DEFAULT_FUSED = False      # the default path failed to compile: eager from here on
             print("  timing the eager path as block_attnres instead; the A/B runs eager too", flush=True)
-            res["timing"][arm] = r = step_time(cfg, device, a.time_steps, a.warmup, False, False)
+            res["timing"][arm] = r = step_time(cfg, device, a.time_steps, a.warmup, fused=False, two_phase=False)
         print(f"  {arm:>28}: {r['ms']:.1f} ms/step, {r['tokens_per_s']:,.0f} tokens/s"
               + (f", peak {r['peak_gib']:.2f} GiB" if r["peak_gib"] is not None else "")
               + f" ({time.time() - t0:.0f} s with warmup)", flush=True)

@@ -264,9 +264,13 @@ class BlockAttnRes(_Readers):
                 mixes = U.unbind(-2)        # separate tensors, so each read's gradient is not a scatter into U
         return BlockState(blocks, keys, logits, k0, None, first, mixes, lse)
 
+    def _triton(self, setting: Optional[bool], x) -> bool:
+        """Whether a Triton kernel replaces its torch.compile twin: on CUDA tensors, when `setting` says so (None: when
+        fused)."""
+        return x.is_cuda and (self._fused(x) if setting is None else setting)
+
     def _block_mixes(self, logits, blocks):
-        triton = self._fused(blocks) if self.triton_mixes is None else self.triton_mixes
-        if triton and blocks.is_cuda and logits.dtype == torch.float32:
+        if self._triton(self.triton_mixes, blocks) and logits.dtype == torch.float32:
             from moe_book.kernels.attnres_mix import block_open_mixes_triton
             return block_open_mixes_triton(logits, blocks)
         return (compiled(block_open_mixes_fusable) if self._fused(blocks) else block_open_mixes)(logits, blocks)
@@ -324,8 +328,7 @@ class BlockAttnRes(_Readers):
         return y
 
     def _merge_normed_fn(self, x):
-        triton = self._fused(x) if self.triton_merge is None else self.triton_merge
-        if triton and x.is_cuda:
+        if self._triton(self.triton_merge, x):
             from moe_book.kernels.attnres_mix import merge_partial_normed_triton
             return merge_partial_normed_triton
         return compiled(merge_partial_normed)
