@@ -8,8 +8,10 @@ __all__ = ['MERGE_LAUNCH', 'block_mixes_fwd_kernel', 'block_mixes_bwd_kernel', '
 """Block AttnRes's block mixes as Triton kernels (chapter 04): `block_open_mixes_triton(logits, blocks)` is
 `moe_book.layers.attnres.block_open_mixes` — for every reader q of the coming block the softmax over the n
 completed blocks, U[q] = sum_i a[i, q] v_i, and its log-normaliser — forward and backward, each one pass over the
-blocks and the mixes. The backward's reduction over d (the gradient of the softmax weights) stays in registers,
-so it writes the blocks' gradient once and never materialises anything of size (n, q, d)."""
+blocks and the mixes. The blocks come in as n separate tensors and the mixes go out as q separate tensors (Triton
+takes a tuple of tensors as one argument), so nothing is stacked on the way in or out, and neither are their
+gradients. The backward's reduction over d (the gradient of the softmax weights) stays in registers, so it writes
+the blocks' gradients once and never materialises anything of size (n, q, d)."""
 import functools
 
 import torch
@@ -30,7 +32,7 @@ def _row_softmax_stats(L, tok, qs, live, N: tl.constexpr, NQ: tl.constexpr):
 
 
 @triton.jit
-def block_mixes_fwd_kernel(L, V, U, LSE, M, D, N: tl.constexpr, NQ: tl.constexpr, QP: tl.constexpr,
+def block_mixes_fwd_kernel(L, Vs, Us, LSE, M, D, N: tl.constexpr, NQ: tl.constexpr, QP: tl.constexpr,
                            BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     tok1 = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     q1 = tl.arange(0, QP)
@@ -41,17 +43,19 @@ def block_mixes_fwd_kernel(L, V, U, LSE, M, D, N: tl.constexpr, NQ: tl.constexpr
     for d0 in range(0, D, BLOCK_D):
         ds = d0 + tl.arange(0, BLOCK_D)
         dmask = (tok1 < M)[:, None] & (ds < D)[None, :]                      # (BLOCK_M, BLOCK_D)
-        acc = tl.zeros((BLOCK_M, QP, BLOCK_D), tl.float32)
-        for i in tl.static_range(N):
-            a_i = tl.exp(tl.load(L + tok * (N * NQ) + i * NQ + qs, mask=live, other=0.0) - m) / s
-            v_i = tl.load(V + tok * (N * D) + i * D + ds[None, :], mask=dmask, other=0.0).to(tl.float32)
-            acc += a_i[:, :, None] * v_i[:, None, :]
-        tl.store(U + tok[:, :, None] * (NQ * D) + qs[:, :, None] * D + ds[None, None, :], acc,
-                 mask=live[:, :, None] & dmask[:, None, :])
+        for j in tl.static_range(NQ):    # reader j's mix, straight into its own tensor: 2-D tiles, no reduction
+            m_j = tl.sum(tl.where(qs == j, m, 0.0), axis=1)                  # (BLOCK_M,): its softmax statistics
+            s_j = tl.sum(tl.where(qs == j, s, 0.0), axis=1)
+            u = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+            for i in tl.static_range(N):  # the same N tiles for every reader: read from memory once, then cached
+                a_ij = tl.exp(tl.load(L + tok1.to(tl.int64) * (N * NQ) + i * NQ + j, mask=tok1 < M, other=0.0) - m_j)
+                v_i = tl.load(Vs[i] + tok * D + ds[None, :], mask=dmask, other=0.0).to(tl.float32)
+                u += (a_ij / s_j)[:, None] * v_i
+            tl.store(Us[j] + tok * D + ds[None, :], u, mask=dmask)
 
 
 @triton.jit
-def block_mixes_bwd_kernel(L, V, DU, DLSE, DL, DV, M, D, N: tl.constexpr, NQ: tl.constexpr, NP: tl.constexpr,
+def block_mixes_bwd_kernel(L, Vs, DUs, DLSE, DL, DVs, M, D, N: tl.constexpr, NQ: tl.constexpr, NP: tl.constexpr,
                            QP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
     tok1 = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     q1, n1 = tl.arange(0, QP), tl.arange(0, NP)
@@ -62,14 +66,16 @@ def block_mixes_bwd_kernel(L, V, DU, DLSE, DL, DV, M, D, N: tl.constexpr, NQ: tl
     for d0 in range(0, D, BLOCK_D):
         ds = d0 + tl.arange(0, BLOCK_D)
         dmask = (tok1 < M)[:, None] & (ds < D)[None, :]
-        du = tl.load(DU + tok[:, :, None] * (NQ * D) + qs[:, :, None] * D + ds[None, None, :],
-                     mask=live[:, :, None] & dmask[:, None, :], other=0.0).to(tl.float32)   # (BLOCK_M, QP, BLOCK_D)
+        du = tl.zeros((BLOCK_M, QP, BLOCK_D), tl.float32)                  # the q readers' gradients, side by side
+        for j in tl.static_range(NQ):
+            du_j = tl.load(DUs[j] + tok * D + ds[None, :], mask=dmask, other=0.0).to(tl.float32)
+            du = tl.where(qs[:, :, None] == j, du_j[:, None, :], du)
         for i in tl.static_range(N):
             a_i = tl.exp(tl.load(L + tok * (N * NQ) + i * NQ + qs, mask=live, other=0.0) - m) / s
             a_i = tl.where(live, a_i, 0.0)
-            v_i = tl.load(V + tok * (N * D) + i * D + ds[None, :], mask=dmask, other=0.0).to(tl.float32)
+            v_i = tl.load(Vs[i] + tok * D + ds[None, :], mask=dmask, other=0.0).to(tl.float32)
             G += tl.where(n1[None, :, None] == i, tl.sum(du * v_i[:, None, :], axis=2)[:, None, :], 0.0)
-            tl.store(DV + tok * (N * D) + i * D + ds[None, :], tl.sum(a_i[:, :, None] * du, axis=1), mask=dmask)
+            tl.store(DVs[i] + tok * D + ds[None, :], tl.sum(a_i[:, :, None] * du, axis=1), mask=dmask)
     # softmax and logsumexp backward: dlogit_i = a_i (g_i - sum_j a_j g_j + dlse)
     tok3, n3, q3 = tok[:, :, None], n1[None, :, None], qs[:, None, :]
     live3 = live[:, None, :] & (n3 < N)
@@ -85,43 +91,50 @@ def _launch_shape(n, q, d):
 
 
 class _BlockMixes(torch.autograd.Function):
-    "U, lse = block_open_mixes(logits, blocks); fp32 logits, fp32 or bf16 blocks, on CUDA (or the interpreter)."
+    """(*U, lse) = block mixes of (logits, *blocks); fp32 logits, fp32 or bf16 blocks (B, T, d), on CUDA (or the
+    interpreter). The blocks are saved as they are: the tensors the state already holds, no copy."""
     @staticmethod
-    def forward(ctx, logits, blocks):
+    def forward(ctx, logits, *blocks):
         B, T, n, q = logits.shape
-        d = blocks.shape[-1]
-        L, V = logits.contiguous(), blocks.contiguous()
-        U = torch.empty(B, T, q, d, device=L.device, dtype=torch.float32)
+        d = blocks[0].shape[-1]
+        L, V = logits.contiguous(), tuple(b.contiguous() for b in blocks)
+        U = tuple(torch.empty(B, T, d, device=L.device, dtype=torch.float32) for _ in range(q))
         lse = torch.empty(B, T, q, device=L.device, dtype=torch.float32)
         M, k = B * T, _launch_shape(n, q, d)
         if M:
             block_mixes_fwd_kernel[(triton.cdiv(M, k["BLOCK_M"]),)](L, V, U, lse, M, d, **k)
-        ctx.save_for_backward(L, V)
-        ctx.blocks_dtype = blocks.dtype
-        return U, lse
+        ctx.save_for_backward(L, *V)
+        ctx.blocks_dtypes = tuple(b.dtype for b in blocks)
+        return (*U, lse)
 
     @staticmethod
-    def backward(ctx, dU, dlse):
-        L, V = ctx.saved_tensors
+    def backward(ctx, *grads):
+        L, *V = ctx.saved_tensors
         B, T, n, q = L.shape
-        d = V.shape[-1]
-        dU = torch.zeros(B, T, q, d, device=L.device) if dU is None else dU.float().contiguous()
-        dlse = torch.zeros(B, T, q, device=L.device) if dlse is None else dlse.float().contiguous()
-        dL, dV = torch.empty_like(L), torch.empty(B, T, n, d, device=L.device, dtype=torch.float32)
+        d = V[0].shape[-1]
+        dU = tuple(torch.zeros(B, T, d, device=L.device) if g is None else g.float().contiguous() for g in grads[:-1])
+        dlse = torch.zeros(B, T, q, device=L.device) if grads[-1] is None else grads[-1].float().contiguous()
+        dL = torch.empty_like(L)
+        dV = tuple(torch.empty(B, T, d, device=L.device, dtype=torch.float32) for _ in range(n))
         M, k = B * T, _launch_shape(n, q, d)
         if M:
-            block_mixes_bwd_kernel[(triton.cdiv(M, k["BLOCK_M"]),)](L, V, dU, dlse, dL, dV, M, d,
+            block_mixes_bwd_kernel[(triton.cdiv(M, k["BLOCK_M"]),)](L, tuple(V), dU, dlse, dL, dV, M, d,
                                                                      NP=triton.next_power_of_2(n), **k)
-        return dL, dV.to(ctx.blocks_dtype)
+        return (dL, *(g.to(dt) for g, dt in zip(dV, ctx.blocks_dtypes)))
 
 
 def block_open_mixes_triton(logits, blocks):
-    """(U (B, T, q, d) fp32, lse (B, T, q) fp32) for logits (B, T, n, q) fp32 and blocks (B, T, n, d): the same
-    numbers as block_open_mixes up to fp32 rounding, differentiable in both inputs."""
-    if logits.dim() != 4 or blocks.dim() != 4 or logits.shape[:3] != blocks.shape[:3] or logits.dtype != torch.float32:
-        raise ValueError(f"block_open_mixes_triton: logits (B, T, n, q) fp32 and blocks (B, T, n, d) with the same "
-                         f"B, T, n (got {tuple(logits.shape)} {logits.dtype} and {tuple(blocks.shape)})")
-    return _BlockMixes.apply(logits, blocks)
+    """(q mixes, each (B, T, d) fp32, lse (B, T, q) fp32) for logits (B, T, n, q) fp32 and the n completed blocks, each
+    (B, T, d): the numbers of block_open_mixes up to fp32 rounding (its U unbound over readers), differentiable in
+    the logits and every block."""
+    blocks = tuple(blocks)
+    if logits.dim() != 4 or logits.dtype != torch.float32 or len(blocks) != logits.shape[2] \
+            or any(b.shape != (*logits.shape[:2], blocks[0].shape[-1]) for b in blocks):
+        raise ValueError(f"block_open_mixes_triton: logits (B, T, n, q) fp32 and n blocks (B, T, d) with the same "
+                         f"B, T (got logits {tuple(logits.shape)} {logits.dtype} and blocks "
+                         f"{[tuple(b.shape) for b in blocks]})")
+    *U, lse = _BlockMixes.apply(logits, *blocks)
+    return tuple(U), lse
 
 # %% ../chapters/04_attnres.ipynb #b7d3e1a1
 @triton.jit

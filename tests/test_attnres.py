@@ -202,32 +202,38 @@ def _saved_state_bytes_at_block_boundaries(res, e, outs):
     for i, o in enumerate(outs):
         res.read(state, i)
         state = res.write(state, i, o)
-        tensors = state if isinstance(state, list) else [state.blocks] + ([state.partial] if state.partial is not None else [])
+        tensors = state if isinstance(state, list) else [*state.blocks] + ([state.partial] if state.partial is not None else [])
         most = max(most, sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values()))
     return most
 
 
 def test_saved_tensor_bytes_grow_with_blocks_not_layers():
-    "Saved-for-backward bytes of the depth mixing that are not per-sublayer activations: the block stacks."
-    sizes = {}
+    """What the depth mixing saves for the backward beyond per-sublayer activations: the completed blocks, each saved
+    once as the tensor the state holds (#blocks + 1 of them at every depth), and never a stacked copy of them."""
     for L in (4, 8, 16):
         cfg = model_cfg(n_layers=L, d=64)
         e, outs = inputs(2 * L, B=2, T=4, d=64, dtype=torch.float32, requires_grad=True)
-        blk = BlockAttnRes(cfg, block_sublayers=L)          # 2 blocks at every depth
-        stacks = {}
+        for two_phase in (False, True):
+            blk = BlockAttnRes(cfg, block_sublayers=L, two_phase=two_phase)          # 2 blocks at every depth
+            saved = {}
 
-        def pack(t):
-            s = t.untyped_storage()
-            # an activation (not the (d, Q) stack of queries) whose storage holds more than one (B, T, d): block stacks
-            if t.dim() >= 3 and s.nbytes() > e.numel() * 4:
-                stacks[s.data_ptr()] = s.nbytes()
-            return t
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            drive(blk, e, outs)
-        sizes[L] = sum(stacks.values())
+            def pack(t):
+                if t.dim() >= 3:               # activations, not the (d, Q) stack of queries
+                    saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+                return t
+            state = blk.begin(e)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                for i, o in enumerate(outs):
+                    blk.read(state, i)
+                    state = blk.write(state, i, o)
+                blk.end(state)
+            blocks = {b.untyped_storage().data_ptr() for b in state.blocks}
+            assert len(blocks) == blk.n_blocks + 1 == 3 and blocks <= saved.keys()
+            assert max(saved.values()) <= e.numel() * 4 * (blk.block_sublayers + 1)     # no (B, T, n, d) stack...
+            if not two_phase:
+                assert max(saved.values()) == e.numel() * 4                            # ... nor anything over one vector
         assert _saved_state_bytes_at_block_boundaries(blk, e, outs) == 3 * e.numel() * 4     # e + 2 blocks
         assert _saved_state_bytes_at_block_boundaries(AttnRes(cfg), e, outs) == (2 * L + 1) * e.numel() * 4
-    assert sizes[4] == sizes[8] == sizes[16] > 0
 
 
 def test_bad_block_size_is_a_clear_error():
@@ -313,7 +319,7 @@ def test_fusable_mix_equals_eager_mix():
     for n in (1, 3):
         for partial in (None, torch.randn(2, 5, 8, generator=g, dtype=torch.float64)):
             s = torch.randn(2, 5, n, generator=g, dtype=torch.float64)
-            blocks = torch.randn(2, 5, n, 8, generator=g, dtype=torch.float64)
+            blocks = [torch.randn(2, 5, 8, generator=g, dtype=torch.float64) for _ in range(n)]
             w = torch.randn(8, generator=g, dtype=torch.float64)
             for a, b in zip(block_mix(s, blocks, partial, w, 1e-6), block_mix_fusable(s, blocks, partial, w, 1e-6)):
                 torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
@@ -325,7 +331,7 @@ def test_fusable_open_mixes_equal_eager_open_mixes():
     g = torch.Generator().manual_seed(0)
     for n in (1, 2, 5):
         logits = torch.randn(2, 5, n, 4, generator=g, dtype=torch.float64)
-        blocks = torch.randn(2, 5, n, 8, generator=g, dtype=torch.float64)
+        blocks = [torch.randn(2, 5, 8, generator=g, dtype=torch.float64) for _ in range(n)]
         for a, b in zip(block_open_mixes(logits, blocks), block_open_mixes_fusable(logits, blocks)):
             assert a.shape == b.shape
             torch.testing.assert_close(a, b, rtol=0, atol=1e-12)

@@ -25,30 +25,55 @@ def test_triton_mixes_equal_block_open_mixes(B, T, n, q, d):
     of d products (the weights' gradient), a few ulps of fp32 relative to the largest value."""
     gen = torch.Generator().manual_seed(B * T * n * q + d)
     logits = (2 * torch.randn(B, T, n, q, generator=gen)).to(DEV).requires_grad_()
-    blocks = torch.randn(B, T, n, d, generator=gen).to(DEV).requires_grad_()
+    blocks = [torch.randn(B, T, d, generator=gen).to(DEV).requires_grad_() for _ in range(n)]
     dU, dlse = torch.randn(B, T, q, d, generator=gen).to(DEV), torch.randn(B, T, q, generator=gen).to(DEV)
-    U, lse = block_open_mixes_triton(logits, blocks)
-    assert U.shape == (B, T, q, d) and lse.shape == (B, T, q) and U.dtype == lse.dtype == torch.float32
-    gl, gb = torch.autograd.grad((U * dU).sum() + (lse * dlse).sum(), (logits, blocks))
-    l64, b64 = logits.detach().double().requires_grad_(), blocks.detach().double().requires_grad_()
+    mixes, lse = block_open_mixes_triton(logits, blocks)
+    assert len(mixes) == q and all(m.shape == (B, T, d) and m.dtype == torch.float32 for m in mixes)
+    assert lse.shape == (B, T, q) and lse.dtype == torch.float32
+    U = torch.stack(mixes, -2)
+    gl, *gb = torch.autograd.grad((U * dU).sum() + (lse * dlse).sum(), (logits, *blocks))
+    l64, b64 = logits.detach().double().requires_grad_(), [b.detach().double().requires_grad_() for b in blocks]
     U_ref, lse_ref = block_open_mixes(l64, b64)
-    gl_ref, gb_ref = torch.autograd.grad((U_ref * dU.double()).sum() + (lse_ref * dlse.double()).sum(), (l64, b64))
-    for got, ref in ((U, U_ref), (lse, lse_ref), (gl, gl_ref), (gb, gb_ref)):
+    gl_ref, *gb_ref = torch.autograd.grad((U_ref * dU.double()).sum() + (lse_ref * dlse.double()).sum(), (l64, *b64))
+    for got, ref in ((U, U_ref), (lse, lse_ref), (gl, gl_ref), *zip(gb, gb_ref)):
+        assert _rel(got, ref) < 1e-6
+
+
+def test_triton_mixes_read_blocks_in_place_and_a_missing_reader_gradient():
+    """The blocks are saved for the backward as they are (no stacked copy), and a reader whose mix gets no gradient
+    (a mix nobody used) counts as a zero gradient."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(1, 4, 3, 2, generator=gen).to(DEV).requires_grad_()
+    blocks = [torch.randn(1, 4, 16, generator=gen).to(DEV).requires_grad_() for _ in range(3)]
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        mixes, lse = block_open_mixes_triton(logits, blocks)
+    ptrs = {t.untyped_storage().data_ptr() for t in saved}
+    assert all(b.untyped_storage().data_ptr() in ptrs for b in blocks)
+    assert all(t.untyped_storage().nbytes() <= blocks[0].untyped_storage().nbytes() for t in saved)
+    gl, *gb = torch.autograd.grad(mixes[0].sum(), (logits, *blocks))            # reader 1's mix and lse unused
+    l64 = logits.detach().double().requires_grad_()
+    b64 = [b.detach().double().requires_grad_() for b in blocks]
+    gl_ref, *gb_ref = torch.autograd.grad(block_open_mixes(l64, b64)[0][..., 0, :].sum(), (l64, *b64))
+    for got, ref in ((gl, gl_ref), *zip(gb, gb_ref)):
         assert _rel(got, ref) < 1e-6
 
 
 def test_triton_mixes_bf16_blocks_and_bad_shapes():
     gen = torch.Generator().manual_seed(3)
     logits = torch.randn(1, 4, 2, 3, generator=gen).to(DEV)
-    blocks = torch.randn(1, 4, 2, 32, generator=gen).to(DEV, torch.bfloat16).requires_grad_()
-    U, _ = block_open_mixes_triton(logits, blocks)
-    assert _rel(U, block_open_mixes(logits.double(), blocks.double())[0]) < 1e-6    # bf16 values, fp32 math
-    (g,) = torch.autograd.grad(U.sum(), blocks)
-    assert g.dtype == torch.bfloat16
+    blocks = [torch.randn(1, 4, 32, generator=gen).to(DEV, torch.bfloat16).requires_grad_() for _ in range(2)]
+    mixes, _ = block_open_mixes_triton(logits, blocks)
+    U_ref = block_open_mixes(logits.double(), [b.double() for b in blocks])[0]
+    assert _rel(torch.stack(mixes, -2), U_ref) < 1e-6                                # bf16 values, fp32 math
+    g = torch.autograd.grad(sum(m.sum() for m in mixes), blocks)
+    assert all(x.dtype == torch.bfloat16 for x in g)
     with pytest.raises(ValueError, match=r"\(B, T, n, q\) fp32"):
         block_open_mixes_triton(logits.double(), blocks)
     with pytest.raises(ValueError, match="same"):
-        block_open_mixes_triton(logits, blocks[:, :, :1])
+        block_open_mixes_triton(logits, blocks[:1])
+    with pytest.raises(ValueError, match="same"):
+        block_open_mixes_triton(logits, [blocks[0], blocks[1][:, :2]])
 
 
 def _drive_both_agree(a, b, read, params=()):

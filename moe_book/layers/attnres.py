@@ -119,11 +119,12 @@ class AttnRes(_Readers):
 
 # %% ../../chapters/04_attnres.ipynb #5fb84a5b
 def block_mix(s, blocks, partial, w, eps: float):
-    """One Block AttnRes read. s: (B, T, n) fp32 logits of the completed blocks, blocks: (B, T, n, d), partial:
-    (B, T, d) or None, w: (d,) the reader's query. Returns (h (B, T, d), alpha (B, T, n or n + 1)), in s's dtype.
-    Eager form: the weighted sum is one batched matmul (B*T, 1, n) @ (B*T, n, d)."""
+    """One Block AttnRes read. s: (B, T, n) fp32 logits of the completed blocks, blocks: the n completed blocks,
+    each (B, T, d), partial: (B, T, d) or None, w: (d,) the reader's query. Returns (h (B, T, d), alpha (B, T, n or
+    n + 1)), in s's dtype. The readable form: stack the blocks, and the weighted sum is one batched matmul
+    (B*T, 1, n) @ (B*T, n, d)."""
     dt = s.dtype
-    v = blocks.to(dt)
+    v = torch.stack(blocks, dim=-2).to(dt)
     if partial is None:
         alpha = s.softmax(-1)
         return (alpha.unsqueeze(-2) @ v).squeeze(-2), alpha
@@ -133,36 +134,44 @@ def block_mix(s, blocks, partial, w, eps: float):
     return (alpha[..., :-1].unsqueeze(-2) @ v).squeeze(-2) + alpha[..., -1:] * p, alpha
 
 
+def _weighted_sum(a, blocks, dt):
+    "sum_i a[..., i] * blocks[i], unrolled over the n blocks (known when tracing): each block is read where it lies."
+    h = a[..., 0:1] * blocks[0].to(dt)
+    for i in range(1, len(blocks)):
+        h = h + a[..., i:i + 1] * blocks[i].to(dt)
+    return h
+
+
 def block_mix_fusable(s, blocks, partial, w, eps: float):
-    "block_mix written as reductions and pointwise ops only, so that torch.compile fuses it (forward and backward)."
+    """block_mix as pointwise ops over the blocks and reductions over d, the form BlockAttnRes runs (through
+    torch.compile on the GPU, which fuses it forward and backward): no stacked copy of the blocks is made or saved."""
     dt = s.dtype
-    v = blocks.to(dt)
     if partial is None:
         alpha = s.softmax(-1)
-        return (alpha.unsqueeze(-1) * v).sum(-2), alpha
+        return _weighted_sum(alpha, blocks, dt), alpha
     p = partial.to(dt)
     sp = (p * w.to(dt)).sum(-1) * torch.rsqrt(p.pow(2).mean(-1) + eps)
     alpha = torch.cat([s, sp.unsqueeze(-1)], dim=-1).softmax(-1)
-    return (alpha[..., :-1].unsqueeze(-1) * v).sum(-2) + alpha[..., -1:] * p, alpha
+    return _weighted_sum(alpha, blocks, dt) + alpha[..., -1:] * p, alpha
 
 
 def block_open_mixes(logits, blocks):
     """Two-phase path, phase 1 (once per block): for each of the q readers of the coming block, the softmax over the
-    completed blocks alone. logits: (B, T, n, q) fp32, blocks: (B, T, n, d). Returns the mixes U (B, T, q, d) and
-    their log-normalisers lse (B, T, q). Eager form: one batched matmul (B*T, q, n) @ (B*T, n, d)."""
+    n completed blocks alone. logits: (B, T, n, q) fp32, blocks: the n completed blocks, each (B, T, d). Returns the
+    mixes U (B, T, q, d) and their log-normalisers lse (B, T, q). The readable form: one batched matmul
+    (B*T, q, n) @ (B*T, n, d)."""
     a = logits.softmax(-2)
-    return a.transpose(-1, -2) @ blocks.to(logits.dtype), logits.logsumexp(-2)
+    return a.transpose(-1, -2) @ torch.stack(blocks, dim=-2).to(logits.dtype), logits.logsumexp(-2)
 
 
 def block_open_mixes_fusable(logits, blocks):
-    """block_open_mixes as a sum unrolled over the n (<= #blocks, known when tracing) completed blocks: one pointwise
-    kernel under torch.compile that reads each block once and writes U once. (Written as a reduction over n,
-    inductor made it a reduction kernel over (B, T, q, d) that ran at ~0.4 TB/s: 3.4 ms a block on the H200.)"""
+    """block_open_mixes as a sum unrolled over the n completed blocks: one pointwise kernel under torch.compile that
+    reads each block once, in place, and writes U once. (Written as a reduction over n, inductor made it a reduction
+    kernel over (B, T, q, d) that ran at ~0.4 TB/s: 3.4 ms a block on the H200.)"""
     a = logits.softmax(-2)
-    v = blocks.to(logits.dtype)
-    U = a[..., 0, :, None] * v[..., 0, None, :]
-    for i in range(1, v.shape[-2]):
-        U = U + a[..., i, :, None] * v[..., i, None, :]
+    U = a[..., 0, :, None] * blocks[0].to(logits.dtype)[..., None, :]
+    for i in range(1, len(blocks)):
+        U = U + a[..., i, :, None] * blocks[i].to(logits.dtype)[..., None, :]
     return U, logits.logsumexp(-2)
 
 
@@ -202,7 +211,7 @@ DEFAULT_TWO_PHASE = None
 # %% ../../chapters/04_attnres.ipynb #537cf878
 class BlockState(NamedTuple):
     "What Block AttnRes carries between sublayers (a tuple: write returns a new one, nothing is mutated)."
-    blocks: torch.Tensor            # (B, T, n, d) completed block summaries; source 0 is the embedding
+    blocks: tuple                   # n tensors (B, T, d): the completed block summaries, blocks[0] the embedding
     keys: tuple                     # n tensors (B, T, Q_i) fp32: block i's logits w_k . RMSNorm(b_i) for its readers
                                     # k = 2L+1-Q_i .. 2L (all that will ever read it), computed once, when it completes
     logits: Optional[torch.Tensor]  # (B, T, n, q) fp32 logits of the completed blocks for readers first..first+q-1
@@ -255,13 +264,12 @@ class BlockAttnRes(_Readers):
         if last > k0:
             top = self.n_sublayers + 1                  # column c of a block's keys belongs to reader top - Q_i + c
             logits = torch.stack([kk[..., k0 - top + kk.shape[-1]:last - top + kk.shape[-1]] for kk in keys], dim=-2)
-            if self._two_phase(blocks) and blocks.shape[-2] == 1:
+            if self._two_phase(blocks[0]) and len(blocks) == 1:
                 # One completed block (the embedding): every reader's softmax over it is exactly 1, so its mix is the
                 # block itself and its log-normaliser its logit. Views, not q copies of the embedding.
-                mixes, lse = (blocks[..., 0, :].to(logits.dtype),) * (last - k0), logits[..., 0, :]
-            elif self._two_phase(blocks):
-                U, lse = self._block_mixes(logits, blocks)
-                mixes = U.unbind(-2)        # separate tensors, so each read's gradient is not a scatter into U
+                mixes, lse = (blocks[0].to(logits.dtype),) * (last - k0), logits[..., 0, :]
+            elif self._two_phase(blocks[0]):
+                mixes, lse = self._block_mixes(logits, blocks)
         return BlockState(blocks, keys, logits, k0, None, first, mixes, lse)
 
     def _triton(self, setting: Optional[bool], x) -> bool:
@@ -270,10 +278,13 @@ class BlockAttnRes(_Readers):
         return x.is_cuda and (self._fused(x) if setting is None else setting)
 
     def _block_mixes(self, logits, blocks):
-        if self._triton(self.triton_mixes, blocks) and logits.dtype == torch.float32:
+        "Each reader's mix of the completed blocks, as q separate tensors (B, T, d), and their lse (B, T, q)."
+        if self._triton(self.triton_mixes, blocks[0]) and logits.dtype == torch.float32:
             from moe_book.kernels.attnres_mix import block_open_mixes_triton
             return block_open_mixes_triton(logits, blocks)
-        return (compiled(block_open_mixes_fusable) if self._fused(blocks) else block_open_mixes)(logits, blocks)
+        mix = compiled(block_open_mixes_fusable) if self._fused(blocks[0]) else block_open_mixes_fusable
+        U, lse = mix(logits, blocks)
+        return U.unbind(-2), lse            # separate tensors, so each read's gradient is not a scatter into U
 
     def _fused(self, x) -> bool:
         return x.is_cuda if self.fused is None else self.fused
@@ -282,16 +293,15 @@ class BlockAttnRes(_Readers):
         return self._fused(x) if self.two_phase is None else self.two_phase
 
     def begin(self, x):
-        blocks = x.unsqueeze(-2)                        # (B, T, 1, d): a view, no copy
         with _no_autocast(x):
-            return self._open(blocks, (self._keys(x, 1),), 0)
+            return self._open((x,), (self._keys(x, 1),), 0)
 
     def _mix(self, state: BlockState, k: int):
         "h for reader k: softmax over [completed blocks, partial] in fp32 (see block_mix and merge_partial)."
         j = k - state.first
         s = state.logits[..., j].contiguous()                             # (B, T, n), computed when the block opened
         if state.mixes is None:                                           # one read at a time
-            fn = compiled(block_mix_fusable) if self._fused(s) else block_mix
+            fn = compiled(block_mix_fusable) if self._fused(s) else block_mix_fusable
             h, alpha = fn(s, state.blocks, state.partial, self.query(k), self.eps)
         elif state.partial is None:                                       # two-phase, nothing to merge
             h = state.mixes[j]
@@ -302,7 +312,7 @@ class BlockAttnRes(_Readers):
             alpha = self._merged_alpha(s, lam)
         if alpha is not None:
             self._keep(k, alpha)
-        return h.to(state.blocks.dtype)
+        return h.to(state.blocks[0].dtype)
 
     def _merged_alpha(self, s, lam):
         "The depth weights of a two-phase read that merged a partial sum, for `record` (None when not recording)."
@@ -318,7 +328,7 @@ class BlockAttnRes(_Readers):
         self._check(state.count, i, "read")
         dtype = out_dtype(state.partial, norm.weight)        # the autocast dtype: asked before autocast is turned off
         j = i - state.first
-        with _no_autocast(state.blocks):
+        with _no_autocast(state.partial):
             merge = self._merge_normed_fn(state.partial)
             y, lam = merge(state.mixes[j], state.lse[..., j], state.partial, self.query(i), self.eps, norm.weight,
                            norm.eps, dtype)
@@ -337,33 +347,33 @@ class BlockAttnRes(_Readers):
         self._check(state.count, i, "read")
         if i == 0:                                      # only the embedding
             self._keep(0, torch.ones(1))
-            return state.blocks[..., 0, :]
-        with _no_autocast(state.blocks):
+            return state.blocks[0]
+        with _no_autocast(state.blocks[0]):
             return self._mix(state, i)
 
     def write(self, state: BlockState, i: int, out):
         self._check(state.count, i, "write")
-        dt = state.blocks.dtype
+        dt = state.blocks[0].dtype
         # Adding a bf16 output to the fp32 partial sum promotes inside the add; casting it first would cost a pass.
         partial = out.to(dt) if state.partial is None else (state.partial + out).to(dt)
         count = i + 1
         if count % self.block_sublayers and count != self.n_sublayers:
             return state._replace(partial=partial, count=count)
-        with _no_autocast(out):                         # the block is complete: stack it once
-            blocks = torch.cat([state.blocks, partial.unsqueeze(-2)], dim=-2)
-            # the new block's keys, read from the stack (a strided view: autograd then keeps one copy of it, not two)
-            return self._open(blocks, state.keys + (self._keys(blocks[..., -1, :], count),), count)
+        with _no_autocast(out):
+            # The block is complete: its sum joins the others as it is. Nothing is stacked, so no block is ever copied
+            # and the backward adds no gradient into a stack (a growing torch.cat per block was 3.5 ms of a step).
+            return self._open(state.blocks + (partial,), state.keys + (self._keys(partial, count),), count)
 
     def end(self, state: BlockState):
         self._check(state.count, self.n_sublayers, "end")
-        with _no_autocast(state.blocks):
+        with _no_autocast(state.blocks[0]):
             return self._mix(state, self.n_sublayers)
 
     @staticmethod
     def state_vectors(state: BlockState) -> int:
         """How many d-vectors per token the state carries (completed blocks + the partial one). The two-phase path
         also caches the current block's precomputed mixes, recomputable from the blocks (see cache_vectors)."""
-        return state.blocks.shape[-2] + (state.partial is not None)
+        return len(state.blocks) + (state.partial is not None)
 
     @staticmethod
     def cache_vectors(state: BlockState) -> int:
@@ -371,5 +381,5 @@ class BlockAttnRes(_Readers):
         (0 on the one-read-at-a-time path, and in the first block, whose mixes are the embedding itself)."""
         if state.mixes is None:
             return 0
-        blocks = state.blocks.untyped_storage().data_ptr()
-        return len({m.data_ptr() for m in state.mixes if m.untyped_storage().data_ptr() != blocks})
+        blocks = {b.untyped_storage().data_ptr() for b in state.blocks}
+        return len({m.data_ptr() for m in state.mixes if m.untyped_storage().data_ptr() not in blocks})
