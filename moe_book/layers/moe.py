@@ -628,8 +628,11 @@ class LatentMoE(nn.Module):
         if self.training and torch.is_grad_enabled():
             with torch.no_grad():
                 self.step_load += expert_counts(expert_idx, self.n_experts)
-                self.score_stats[0] += scores.mean(0)
-                self.score_stats[1] += scores.std(0) if scores.shape[0] > 1 else 0
+                if scores.shape[0] > 1:        # one pass over the (N, n) scores for both (mean and std were two)
+                    var, mean = torch.var_mean(scores, 0)
+                    self.score_stats += torch.stack([mean, var.sqrt()])
+                else:
+                    self.score_stats[0] += scores[0]
                 self.balancer.observe(picking, expert_idx, bias)
             host_effect(self._count_forward)
             self.aux_loss = self.balancer.loss(scores, expert_idx)
