@@ -353,7 +353,7 @@ def kda_ut_solve_fwd(Akk, beta, Tm, cu_seqlens, chunk_indices, T, H: tl.constexp
 @triton.jit
 def kda_wy_fwd(q, k, v, G, beta, Tm, W, U, k_end, qg, scale, cu_seqlens, chunk_indices, T, H: tl.constexpr,
                K: tl.constexpr, V: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-               IS_VARLEN: tl.constexpr, STORE_QG: tl.constexpr, PREC: tl.constexpr):
+               IS_VARLEN: tl.constexpr, PREC: tl.constexpr):
     """The WY representation W = Tm (beta * k * exp(G)), U = Tm (beta * v), plus what the sequential state walk needs
     ready-made, so its loop loads no fp32 G tile and computes no exp: k_end = k * exp(gamma - G) (how much of key t
     is left at the chunk end) and, for the output and the backward walk, qg = scale * q * exp(G)."""
@@ -373,9 +373,8 @@ def kda_wy_fwd(q, k, v, G, beta, Tm, W, U, k_end, qg, scale, cu_seqlens, chunk_i
         _store_tile(W, tl.dot(Tmat, (k_c * tl.exp(G_c) * b).to(DT), input_precision=PREC), t0, ar, cols, eos, H, K,
                     i_h)
         _store_tile(k_end, k_c * tl.exp(tl.minimum(gamma[None, :] - G_c, 0.)), t0, ar, cols, eos, H, K, i_h)
-        if STORE_QG:
-            _store_tile(qg, _load_tile(q, t0, ar, cols, eos, H, K, i_h) * tl.exp(G_c) * scale, t0, ar, cols, eos,
-                        H, K, i_h)
+        _store_tile(qg, _load_tile(q, t0, ar, cols, eos, H, K, i_h) * tl.exp(G_c) * scale, t0, ar, cols, eos, H, K,
+                    i_h)
     for i_v in range(tl.cdiv(V, BV)):
         cols = i_v * BV + tl.arange(0, BV)
         vb = _load_tile(v, t0, ar, cols, eos, H, V, i_h) * b
@@ -481,24 +480,23 @@ def kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, output_final_state, cu
     Tm = torch.empty(B, T, H, BT, device=dev, dtype=q.dtype)
     _launch(kda_ut_solve_fwd, lambda bk, bv: (NC, H), (K, V), Akk, beta, Tm, *ch.args(), H=H, BT=BT, BC=BC,
             IS_VARLEN=VL, PREC=PREC)
-    _, _, qg, u, h, ht = _wy_and_state(q, k, v, G, beta, Tm, scale, initial_state, output_final_state, ch,
-                                       store_qg=True)
+    _, _, qg, u, h, ht = _wy_and_state(q, k, v, G, beta, Tm, scale, initial_state, output_final_state, ch)
     o = torch.empty_like(v)
     _launch(kda_output_fwd, lambda bk, bv: (triton.cdiv(V, bv), NC, H), (K, V), qg, h, Aqk, u, o, *ch.args(),
             H=H, K=K, V=V, BT=BT, IS_VARLEN=VL, PREC=PREC)
     return o, ht, (G, Aqk, Akk, Tm, ch)
 
-def _wy_and_state(q, k, v, G, beta, Tm, scale, initial_state, output_final_state, ch, store_qg=False):
+def _wy_and_state(q, k, v, G, beta, Tm, scale, initial_state, output_final_state, ch):
     """W, U (and k_end, qg) for every chunk, then the chunk-to-chunk state walk (the backward runs this again
     rather than keeping h, the states at every chunk start, alive between forward and backward)."""
     B, T, H, K = k.shape
     V = v.shape[-1]
     NC, dev, PREC, VL = ch.n_chunks, k.device, _dot_precision(k.dtype), ch.varlen
     W, k_end = torch.empty_like(k), torch.empty_like(k)
-    qg = torch.empty_like(q) if store_qg else None
+    qg = torch.empty_like(q)
     U = torch.empty(B, T, H, V, device=dev, dtype=k.dtype)    # the input dtype, as fla: 'storage dtypes' below
     _launch(kda_wy_fwd, lambda bk, bv: (NC, H), (K, V), q, k, v, G, beta, Tm, W, U, k_end, qg, scale, *ch.args(),
-            H=H, K=K, V=V, BT=BT, IS_VARLEN=VL, STORE_QG=store_qg, PREC=PREC)
+            H=H, K=K, V=V, BT=BT, IS_VARLEN=VL, PREC=PREC)
     u = torch.empty_like(v, dtype=k.dtype)
     h = torch.empty(NC, H, K, V, device=dev, dtype=k.dtype)
     ht = torch.empty(ch.N, H, K, V, device=dev, dtype=torch.float32) if output_final_state else None
@@ -764,7 +762,7 @@ def kda_chunk_bwd(q, k, v, beta, scale, initial_state, saved, do, dht, bounded):
     V = v.shape[-1]
     NC, dev, PREC, VL = ch.n_chunks, q.device, _dot_precision(q.dtype), ch.varlen
     f32 = dict(device=dev, dtype=torch.float32)
-    W, k_end, qg, u, h, _ = _wy_and_state(q, k, v, G, beta, Tm, scale, initial_state, False, ch, store_qg=True)
+    W, k_end, qg, u, h, _ = _wy_and_state(q, k, v, G, beta, Tm, scale, initial_state, False, ch)
     do = do.contiguous()
     du_intra = torch.empty(B, T, H, V, **f32)
     dAqk = torch.empty(B, T, H, BT, **f32)

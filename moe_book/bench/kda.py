@@ -384,9 +384,9 @@ def tune_launches(B=8, T=4096, H=16, K=128, V=128, warps=(2, 4, 8), stages=(1, 2
     """Every kernel of one bounded forward+backward at one shape, timed alone (do_bench, median) under each launch
     setting on the real intermediates of that call: the setting LAUNCH / WALKS gives now, then every candidate.
     Returns per kernel the current and the fastest setting with their ms; LAUNCH is edited by hand from it
-    (apply=True also puts the winners into this process's LAUNCH, e.g. to benchmark them right away). Kernels
-    launched twice with different flags (kda_wy_fwd with and without STORE_QG) share one LAUNCH entry: the last
-    one tuned wins.
+    (apply=True also puts the winners into this process's LAUNCH, e.g. to benchmark them right away). A kernel
+    launched with different flags is tuned once per set of flags, but the sets share one LAUNCH entry: the last one
+    tuned wins.
     out: JSON path rewritten after every kernel, so a run cut short keeps what it measured.
     (Kernels that accumulate into their outputs drift while being re-run; only the time is read.)"""
     from triton.testing import do_bench
