@@ -329,6 +329,10 @@ def test_bench_toy_run_writes_the_schema(tmp_path):
     assert len(ours) == 4 and all(r["ms"] > 0 for r in ours)
     assert all(set(r) == {"impl", "B", "T", "H", "K", "V", "pass", "ms"} for r in res["rows"])
     assert res["summary"]["bounded_over_unbounded_fwd_bwd"]["B1_T64"] > 0
+    # the headline pair first (a run cut short keeps same-process fla ratios), each implementation's rows together
+    from moe_book.bench.kda import ROW_ORDER
+    impls = [r["impl"] for r in res["rows"]]
+    assert list(dict.fromkeys(impls)) == ROW_ORDER[:len(set(impls))] and ROW_ORDER[:2] == ["ours_bounded", "fla_bounded"]
 
 
 def ut_solve(Akk, beta, dtype):
