@@ -26,6 +26,8 @@ class KDAConfig:
     conv_size: int = 4       # short causal depthwise convolution on q, k, v
     chunk_size: int = 64
     backend: str = "auto"    # "auto" (Triton on CUDA, chunked torch on CPU), "torch", "triton"
+    prepare: str = "compiled"  # short convolutions: "compiled" (kda_prepare), "triton" (kernels.short_conv, CUDA
+                               # only), "auto" (triton on CUDA, compiled elsewhere)
 
 # %% ../chapters/00_foundations.ipynb #08488b71
 @dataclass
@@ -291,6 +293,7 @@ def validate(cfg: Config) -> Config:
            f"model.kda.g_min={k.g_min}: must lie in [-6, -3] (the bound keeps exp(g_i - g_j) inside bf16 range "
            f"over a 16-token tile while still allowing fast forgetting)")
     _check(k.backend in ("auto", "torch", "triton"), f"model.kda.backend={k.backend!r}: choose auto, torch or triton")
+    _check(k.prepare in ("auto", "compiled", "triton"), f"model.kda.prepare={k.prepare!r}: choose auto, compiled or triton")
     _check(k.chunk_size in (16, 32, 64, 128), f"model.kda.chunk_size={k.chunk_size}: choose 16, 32, 64 or 128")
     a = m.mla
     _check(a.gate in ("none", "head", "channel"), f"model.mla.gate={a.gate!r}: choose none, head or channel")

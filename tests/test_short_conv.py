@@ -1,6 +1,6 @@
 """Chapter 01's short-convolution kernel (moe_book.kernels.short_conv) against F.conv1d, forward and both gradients.
 CPU: Triton's interpreter (set below, before triton is imported), fp32 and fp16; with CUDA the same tests on the GPU,
-plus bf16 and the layer with `triton_prepare` against its default path."""
+plus bf16 and the layer with `model.kda.prepare=triton` against its default path."""
 import os
 
 import pytest
@@ -142,11 +142,11 @@ def test_short_conv_bf16_on_cuda(normalize):
 def test_layer_with_triton_prepare_matches_the_default_path():
     "The KDA layer with the Triton convolutions against kda_prepare, fp32, forward and every parameter's gradient."
     cfg = get_config("tiny", ["model.mixer=kda"]).model
+    cfg_triton = get_config("tiny", ["model.mixer=kda", "model.kda.prepare=triton"]).model
     torch.manual_seed(0)
     a = KimiDeltaAttention(cfg, 0).cuda()
-    b = KimiDeltaAttention(cfg, 0).cuda()
+    b = KimiDeltaAttention(cfg_triton, 0).cuda()
     b.load_state_dict(a.state_dict())
-    b.triton_prepare = True
     x = torch.randn(2, 100, cfg.d_model, device="cuda")
     res = []
     for layer in (a, b):
@@ -179,3 +179,20 @@ def test_short_conv_any_launch_shape_gives_the_same_numbers(monkeypatch, fwd, bw
         runs.append((y, *torch.autograd.grad((y * dy).sum(), (x, w))))
     for a, b in zip(*runs):
         assert _rel(a, b) < 1e-6
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the off-GPU behaviour of model.kda.prepare")
+def test_prepare_switch_off_the_gpu():
+    "auto runs kda_prepare off the GPU (the same layer output as compiled); triton says it needs CUDA; bad values fail."
+    from moe_book.config import ConfigError
+    torch.manual_seed(0)
+    layers = {p: KimiDeltaAttention(get_config("tiny", ["model.mixer=kda", f"model.kda.prepare={p}"]).model, 0)
+              for p in ("compiled", "auto", "triton")}
+    for p in ("auto", "triton"):
+        layers[p].load_state_dict(layers["compiled"].state_dict())
+    x = torch.randn(1, 20, layers["compiled"].q_proj.in_features)
+    assert torch.equal(layers["auto"](x), layers["compiled"](x))
+    with pytest.raises(RuntimeError, match="model.kda.prepare=triton .* CUDA"):
+        layers["triton"](x)
+    with pytest.raises(ConfigError, match="model.kda.prepare='conv'"):
+        get_config("tiny", ["model.mixer=kda", "model.kda.prepare=conv"])

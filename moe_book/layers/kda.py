@@ -93,9 +93,6 @@ class KDACache:
 
 class KimiDeltaAttention(nn.Module):
     "KDA token mixer: forward(x (B, T, d), cache=None) -> (B, T, d)."
-    # On CUDA, the short convolutions through moe_book.kernels.short_conv instead of kda_prepare's compiled ones. Off:
-    # its forward is 1.5x kda_prepare's but forward+backward only 1.1x (chapter 01). Set on the class or one layer.
-    triton_prepare = False
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -106,6 +103,12 @@ class KimiDeltaAttention(nn.Module):
             check_g_min(kc.g_min)
         self.n_heads, self.head_dim, self.gate_type, self.g_min = kc.n_heads, kc.head_dim, kc.gate, kc.g_min
         self.backend, self.chunk_size, self.conv_size, self.eps = kc.backend, kc.chunk_size, kc.conv_size, cfg.norm_eps
+        if kc.prepare not in ("auto", "compiled", "triton"):
+            raise ValueError(f"model.kda.prepare={kc.prepare!r}: choose 'auto', 'compiled' or 'triton'")
+        # The short convolutions: kda_prepare's compiled ones, or moe_book.kernels.short_conv's (CUDA). The default
+        # stays "compiled" until a training step is timed with the kernels: the prepare alone is 1.70 vs 2.39 ms a
+        # layer on the H200, and the step runs as a replayed CUDA graph that no test captures with them inside.
+        self.prepare = kc.prepare
         d, inner = cfg.d_model, kc.n_heads * kc.head_dim
         self.q_proj = nn.Linear(d, inner, bias=False)
         self.k_proj = nn.Linear(d, inner, bias=False)
@@ -153,7 +156,10 @@ class KimiDeltaAttention(nn.Module):
         if cache is not None and W > 1:   # the next call's left context (past may alias cache.conv: build it first)
             new_past = torch.cat([past, torch.cat([q, k, v], -1)], 1)[:, -(W - 1):]
         A_log = self.A_log if self.gate_type == "softplus" else None
-        if self.triton_prepare and x.is_cuda:
+        if self.prepare == "triton" and not x.is_cuda:
+            raise RuntimeError(f"model.kda.prepare=triton runs the short convolutions as CUDA kernels, and this input "
+                               f"is on {x.device}: use model.kda.prepare=auto or compiled off the GPU")
+        if self.prepare != "compiled" and x.is_cuda:
             prepare, past = kda_prepare_triton, None if cache is None else past    # None: zeros, nothing to read
         else:
             prepare = kda_prepare

@@ -1,7 +1,7 @@
 """Probe (GPU): the KDA layer's pointwise prepare (short convolutions, SiLU, L2 norms, gates), forward and
 forward+backward at the small preset's shape (B 8 x T 4096, 8 heads x 128), as chapter 01 writes it (kda_prepare:
 q, k, v convolved one at a time) against the earlier form over their concatenation, and the Triton short
-convolutions (KimiDeltaAttention.triton_prepare). Writes $OUT/kda_prepare.json."""
+convolutions (model.kda.prepare=triton). Writes $OUT/kda_prepare.json."""
 import json, os, sys, torch, torch.nn.functional as F
 from triton.testing import do_bench
 from moe_book.layers.kda import kda_gates, kda_prepare, kda_prepare_triton, kda_gate, _fp
@@ -34,7 +34,7 @@ def concatenated(past, q, k, v, conv_w, gate_logits, gate_bias, beta_logits, g_m
 
 
 fns = {"concatenated": torch.compile(concatenated), "kda_prepare": kda_prepare,   # the latter compiled by `fused`
-       # the layer with triton_prepare = True, in training: no left context to read
+       # the layer with model.kda.prepare=triton, in training: no left context to read
        "triton_short_conv": lambda past, *args: kda_prepare_triton(None, *args)}
 grads = None
 res = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "shape": dict(B=B, T=T, H=H, K=K, W=W), "ms": {}}
