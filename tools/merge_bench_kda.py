@@ -29,7 +29,7 @@ def merge(first: dict, second: dict) -> dict:
     have = {_key(r) for r in rows}
     rows += [r for r in first["rows"] if r["ms"] is not None and _key(r) not in have]
     shapes = sorted({(r["B"], r["T"]) for r in rows}, key=lambda s: s[1])
-    per_run = [summarize([r for r in d["rows"] if r["ms"] is not None], shapes) for d in (first, second)]
+    per_run = [summarize(d["rows"], shapes) for d in (first, second)]   # a null row gives a None ratio
     summary, sources = {}, {}
     for name in per_run[0]:
         summary[name], sources[name] = {}, {}
