@@ -26,8 +26,8 @@ class KDAConfig:
     conv_size: int = 4       # short causal depthwise convolution on q, k, v
     chunk_size: int = 64
     backend: str = "auto"    # "auto" (Triton on CUDA, chunked torch on CPU), "torch", "triton"
-    prepare: str = "compiled"  # short convolutions: "compiled" (kda_prepare), "triton" (kernels.short_conv, CUDA
-                               # only), "auto" (triton on CUDA, compiled elsewhere)
+    prepare: str = "auto"   # short convolutions: "auto" (triton on CUDA, compiled elsewhere), "compiled"
+                             # (kda_prepare everywhere), "triton" (kernels.short_conv; CUDA only)
 
 # %% ../chapters/00_foundations.ipynb #08488b71
 @dataclass

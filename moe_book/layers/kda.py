@@ -105,9 +105,8 @@ class KimiDeltaAttention(nn.Module):
         self.backend, self.chunk_size, self.conv_size, self.eps = kc.backend, kc.chunk_size, kc.conv_size, cfg.norm_eps
         if kc.prepare not in ("auto", "compiled", "triton"):
             raise ValueError(f"model.kda.prepare={kc.prepare!r}: choose 'auto', 'compiled' or 'triton'")
-        # The short convolutions: kda_prepare's compiled ones, or moe_book.kernels.short_conv's (CUDA). The default
-        # stays "compiled" until a training step is timed with the kernels: the prepare alone is 1.70 vs 2.39 ms a
-        # layer on the H200, and the step runs as a replayed CUDA graph that no test captures with them inside.
+        # The short convolutions: moe_book.kernels.short_conv's on CUDA ("auto", the default: a replayed training
+        # step 288.1 -> 278.2 ms on an H100, 2026-12-07) or kda_prepare's compiled ones ("compiled", and off the GPU).
         self.prepare = kc.prepare
         d, inner = cfg.d_model, kc.n_heads * kc.head_dim
         self.q_proj = nn.Linear(d, inner, bias=False)
