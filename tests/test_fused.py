@@ -59,7 +59,7 @@ def test_fused_equals_eager_on_cuda(name):
              "weighted_slot_sum": weighted_slot_sum}
     fn = named.get(name)
     if fn is None:
-        fn = lambda g, u: expert_activation(name, g, u)
+        fn = lambda g, u: expert_activation(name, torch.cat([g, u], -1))     # the packed [gate | up] layout
         fn.eager = ACTIVATIONS[name]
     outs = []
     for f in (fn, fn.eager):

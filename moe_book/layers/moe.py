@@ -40,14 +40,25 @@ def swiglu(gate, up):
 
 ACTIVATIONS = {"situ": situ_glu, "swiglu": swiglu}
 
-_FUSED_ACTIVATIONS = {name: fused(fn) for name, fn in ACTIVATIONS.items()}
+def _on_packed(fn):
+    "fn(gate, up) as a function of h = [gate | up] along the last dim, the layout of one gate_up GEMM's output."
+    def packed(h):
+        gate, up = h.chunk(2, dim=-1)
+        return fn(gate, up)
+    packed.__name__, packed.__doc__ = f"{fn.__name__}_packed", fn.__doc__
+    return packed
 
 
-def expert_activation(name: str, gate, up):
-    """Apply activation `name`. On CUDA the elementwise chain runs as one torch.compile'd kernel (forward and
-    backward, `moe_book.layers.base.fused`), which saves ~8 memory passes over the (tokens·k, hidden) tensor; on
-    CPU, or if compiling fails, the eager function runs (same math)."""
-    return _FUSED_ACTIVATIONS[name](gate, up)
+# The split happens inside the compiled function, so its backward writes dh as one tensor in the same kernel; split
+# outside, autograd concatenated the two halves' gradients in a separate copy (torch.cat of 2 x 134 MB a layer).
+_FUSED_ACTIVATIONS = {name: fused(_on_packed(fn)) for name, fn in ACTIVATIONS.items()}
+
+
+def expert_activation(name: str, h):
+    """Activation `name` of h = [gate | up] (..., 2 * hidden) -> (..., hidden). On CUDA the elementwise chain runs as
+    one torch.compile'd kernel forward and one backward (`moe_book.layers.base.fused`), which saves ~8 memory passes
+    over the (tokens·k, hidden) tensor; on CPU, or if compiling fails, the eager function runs (same math)."""
+    return _FUSED_ACTIVATIONS[name](h)
 
 
 # %% ../../chapters/05_moe.ipynb #2fbf4e8a
@@ -308,7 +319,7 @@ class GroupedExperts(nn.Module):
         rank = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
         xs = _Dispatch.apply(x.to(dt), order, rank, k)            # row of the token each sorted pair belongs to
         h = grouped_linear(xs, self.gate_up.to(dt), offs, counts, backend)
-        a = expert_activation(self.act, *h.chunk(2, dim=-1))
+        a = expert_activation(self.act, h)
         y = grouped_linear(a, self.down.to(dt), offs, counts, backend)
         return _Combine.apply(y, order, rank, weights)              # weighted, back in token order
 
@@ -575,7 +586,7 @@ class SharedExpert(nn.Module):
         self.down.is_residual_out = True
 
     def forward(self, x):
-        return self.down(expert_activation(self.act, *self.gate_up(x).chunk(2, dim=-1)))
+        return self.down(expert_activation(self.act, self.gate_up(x)))
 
 
 class LatentMoE(nn.Module):
