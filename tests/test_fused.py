@@ -19,6 +19,21 @@ def test_fused_runs_eager_on_cpu():
     assert torch.equal(f(torch.ones(3)), torch.full((3,), 2.0)) and len(calls) == 1 and f.eager is not f
 
 
+@pytest.mark.parametrize("name", sorted(ACTIVATIONS))
+def test_expert_activation_takes_the_packed_gate_up_output(name):
+    """expert_activation(name, h) is ACTIVATIONS[name] of h's two halves [gate | up], with h's gradient one tensor:
+    the same numbers and gradients as splitting outside (exactly: the same ops in the same order)."""
+    gen = torch.Generator().manual_seed(0)
+    h = (3 * torch.randn(5, 2 * 24, generator=gen)).requires_grad_()
+    g = torch.randn(5, 24, generator=gen)
+    y = expert_activation(name, h)
+    (dh,) = torch.autograd.grad(y, h, g)
+    h2 = h.detach().clone().requires_grad_()
+    y2 = ACTIVATIONS[name](*h2.chunk(2, dim=-1))
+    (dh2,) = torch.autograd.grad(y2, h2, g)
+    assert y.shape == (5, 24) and torch.equal(y, y2) and torch.equal(dh, dh2) and dh.is_contiguous()
+
+
 def test_rmsnorm_hands_the_autocast_dtype_to_its_matmuls():
     norm = RMSNorm(8)
     x = torch.randn(4, 8)
