@@ -1,6 +1,6 @@
 """Chapter 01's short-convolution kernel (moe_book.kernels.short_conv) against F.conv1d, forward and both gradients.
 CPU: Triton's interpreter (set below, before triton is imported), fp32 and fp16; with CUDA the same tests on the GPU,
-plus bf16 and the layer with `model.kda.prepare=triton` against its default path."""
+plus bf16 and the layer with `model.kda.prepare=triton` against `model.kda.prepare=compiled` (kda_prepare)."""
 import os
 
 import pytest
@@ -139,9 +139,10 @@ def test_short_conv_bf16_on_cuda(normalize):
 
 
 @pytest.mark.gpu
-def test_layer_with_triton_prepare_matches_the_default_path():
-    "The KDA layer with the Triton convolutions against kda_prepare, fp32, forward and every parameter's gradient."
-    cfg = get_config("tiny", ["model.mixer=kda"]).model
+def test_layer_with_triton_prepare_matches_kda_prepare():
+    """The KDA layer with the Triton convolutions against kda_prepare, fp32, forward and every parameter's gradient.
+    The reference names `compiled`: the default, `auto`, is the Triton kernels on CUDA."""
+    cfg = get_config("tiny", ["model.mixer=kda", "model.kda.prepare=compiled"]).model
     cfg_triton = get_config("tiny", ["model.mixer=kda", "model.kda.prepare=triton"]).model
     torch.manual_seed(0)
     a = KimiDeltaAttention(cfg, 0).cuda()
