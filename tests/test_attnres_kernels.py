@@ -19,7 +19,8 @@ def _rel(a, b):
     return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("B,T,n,q,d", [(1, 3, 1, 1, 16), (2, 5, 2, 3, 200), (1, 7, 3, 8, 64), (2, 3, 5, 8, 130)])
+@pytest.mark.parametrize("B,T,n,q,d", [(1, 3, 1, 1, 16), (2, 5, 2, 3, 200), (1, 7, 3, 8, 64), (2, 3, 5, 8, 130),
+                                       (2, 5, 3, 3, 200), (1, 9, 5, 6, 130), (2, 7, 6, 5, 64)])
 def test_triton_mixes_equal_block_open_mixes(B, T, n, q, d):
     """Forward and both gradients against block_open_mixes in fp64. Tolerance: fp32 sums of n products (forward) and
     of d products (the weights' gradient), a few ulps of fp32 relative to the largest value."""
@@ -37,6 +38,25 @@ def test_triton_mixes_equal_block_open_mixes(B, T, n, q, d):
     gl_ref, *gb_ref = torch.autograd.grad((U_ref * dU.double()).sum() + (lse_ref * dlse.double()).sum(), (l64, *b64))
     for got, ref in ((U, U_ref), (lse, lse_ref), (gl, gl_ref), *zip(gb, gb_ref)):
         assert _rel(got, ref) < 1e-6
+
+
+@pytest.mark.parametrize("launch", [dict(BLOCK_M=8, BLOCK_D=128, num_warps=4), dict(BLOCK_M=16, BLOCK_D=32, num_warps=8),
+                                    dict(BLOCK_M=2, BLOCK_D=64, num_warps=1)])
+def test_triton_mixes_backward_any_launch_gives_the_same_numbers(monkeypatch, launch):
+    """The backward's launch setting (tools/probes/attnres_mix_probe.py sweeps it) only tiles the work: tokens past
+    the end in the last program, d in chunks that do not divide it, n and q both padded to powers of two."""
+    import moe_book.kernels.attnres_mix as am
+    gen = torch.Generator().manual_seed(5)
+    logits = (2 * torch.randn(1, 11, 3, 5, generator=gen)).to(DEV).requires_grad_()
+    blocks = [torch.randn(1, 11, 100, generator=gen).to(DEV).requires_grad_() for _ in range(3)]
+    dU, dlse = torch.randn(1, 11, 5, 100, generator=gen).to(DEV), torch.randn(1, 11, 5, generator=gen).to(DEV)
+    runs = []
+    for bwd in (dict(am.BWD_LAUNCH), launch):
+        monkeypatch.setattr(am, "BWD_LAUNCH", bwd)
+        mixes, lse = block_open_mixes_triton(logits, blocks)
+        runs.append(torch.autograd.grad((torch.stack(mixes, -2) * dU).sum() + (lse * dlse).sum(), (logits, *blocks)))
+    for a, b in zip(*runs):
+        assert _rel(a, b) < 1e-6
 
 
 def test_triton_mixes_read_blocks_in_place_and_a_missing_reader_gradient():
