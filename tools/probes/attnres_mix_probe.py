@@ -3,8 +3,8 @@ training step (B 8 x T 4096, d 1024, fp32 blocks; (completed blocks n, readers q
 Times the current kernel (moe_book.kernels.attnres_mix) under each candidate launch of BWD_LAUNCH, and, given
 OLD=path/to/attnres_mix.py (an earlier version of the generated module), that version at its own launch, checks
 both give the same gradients, and reports each against the bytes it must move (reads dU, the blocks; writes their
-gradients; fp32). Then the merge-with-pre-norm's backward (28 launches a step) under candidate MERGE_LAUNCH["bwd"]
-settings, at the same shape. Writes $OUT/attnres_mix_probe.json."""
+gradients; fp32). Without OLD there is no comparison (its fields are null). Writes $OUT/attnres_mix_probe.json;
+launch settings are keyed by json.dumps(setting, sort_keys=True)."""
 import importlib.util, itertools, json, os, time
 import torch
 import triton
@@ -27,6 +27,13 @@ def load_old():
     return mod
 
 
+def old_launch(old, n, q):
+    "The old module's own launch: its BWD_LAUNCH where it has one (since 2026-12-07), else its fixed shape."
+    if hasattr(old, "BWD_LAUNCH"):
+        return old._launch_shape(n, q, D, old.BWD_LAUNCH)
+    return old._launch_shape(n, q, D)
+
+
 def inputs(n, q, gen):
     L = 2 * torch.randn(B, T, n, q, device="cuda", generator=gen)
     V = tuple(torch.randn(B, T, D, device="cuda", generator=gen) for _ in range(n))
@@ -43,33 +50,6 @@ def launcher(kernel, n, q, k, L, V, dU, dlse):
     return run
 
 
-def merge_sweep(gen):
-    """The merge's backward alone (fp32 mix and partial sum, bf16 output gradient) under each candidate launch; bytes:
-    reads u, p (fp32) and dy (bf16), writes du, dp (fp32)."""
-    u, p = (torch.randn(B, T, D, device="cuda", generator=gen).requires_grad_() for _ in range(2))
-    lse = torch.randn(B, T, device="cuda", generator=gen).requires_grad_()
-    w, nw = (torch.randn(D, device="cuda", generator=gen).requires_grad_() for _ in range(2))
-    y, _ = cur.merge_partial_normed_triton(u, lse, p, w, 1e-6, nw, 1e-6, torch.bfloat16)
-    dy = torch.randn_like(y)
-    nbytes = M * D * (4 * 4 + 2)
-    default, out = dict(cur.MERGE_LAUNCH["bwd"]), []
-    ref = None
-    for bm, warps, per_sm in itertools.product((1, 2, 4), (4, 8), (2, 4, 8)):
-        cur.MERGE_LAUNCH["bwd"] = dict(BLOCK_M=bm, num_warps=warps, programs_per_sm=per_sm)
-        try:
-            grads = torch.autograd.grad(y, (u, lse, p, w, nw), dy, retain_graph=True)
-            ms = do_bench(lambda: torch.autograd.grad(y, (u, lse, p, w, nw), dy, retain_graph=True), warmup=10, rep=50)
-        except Exception as e:
-            out.append(dict(launch=dict(cur.MERGE_LAUNCH["bwd"]), error=str(e)[:200]))
-            continue
-        ref = ref or grads
-        err = max(((a - b).abs().max() / b.abs().max()).item() for a, b in zip(grads, ref))
-        out.append(dict(launch=dict(cur.MERGE_LAUNCH["bwd"]), ms=ms, gb_per_s=nbytes / ms / 1e6, max_rel_vs_first=err))
-        print(f"merge bwd {cur.MERGE_LAUNCH['bwd']}: {ms:.3f} ms  {nbytes / ms / 1e6:.0f} GB/s", flush=True)
-    cur.MERGE_LAUNCH["bwd"] = default
-    return dict(bytes=nbytes, default=default, rows=out)
-
-
 def main():
     old = load_old()
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -80,7 +60,7 @@ def main():
         nbytes = 4 * M * D * (q + 2 * n)
         ref = None
         if old is not None:
-            k = old._launch_shape(n, q, D)
+            k = old_launch(old, n, q)
             run = launcher(old.block_mixes_bwd_kernel, n, q, k, L, V, dU, dlse)
             ref = [x.clone() for x in (run()[0], *run()[1])]
             ms = do_bench(run, warmup=10, rep=50)
@@ -104,14 +84,13 @@ def main():
     for c in cands:
         ms = [r["ms"] for r in rows if r["kernel"] == "new" and r["launch"] == c and "ms" in r]
         if len(ms) == len(SHAPES):
-            best[json.dumps(c)] = sum(ms)
-    merge = merge_sweep(gen)
+            best[json.dumps(c, sort_keys=True)] = sum(ms)
     summary = dict(step_sum_ms_old=sum(r["ms"] for r in rows if r["kernel"] == "old") if old else None,
                    step_sum_ms_new_by_launch=best, current_launch=cur.BWD_LAUNCH,
-                   step_sum_ms_new_current=best.get(json.dumps(cur.BWD_LAUNCH)))
+                   step_sum_ms_new_current=best.get(json.dumps(cur.BWD_LAUNCH, sort_keys=True)))
     out = dict(probe="attnres_mix_probe", device=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=triton.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S"), shape=dict(B=B, T=T, d=D),
-               shapes_nq=SHAPES, rows=rows, summary=summary, merge=merge, seconds=time.time() - t0)
+               shapes_nq=SHAPES, rows=rows, summary=summary, seconds=time.time() - t0)
     with open(os.path.join(OUT, "attnres_mix_probe.json"), "w") as f:
         json.dump(out, f, indent=1)
     print(json.dumps(summary, indent=1))
