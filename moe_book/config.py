@@ -26,7 +26,7 @@ class KDAConfig:
     conv_size: int = 4       # short causal depthwise convolution on q, k, v
     chunk_size: int = 64
     backend: str = "auto"    # "auto" (Triton on CUDA, chunked torch on CPU), "torch", "triton"
-    prepare: str = "auto"   # short convolutions: "auto" (triton on CUDA, compiled elsewhere), "compiled"
+    prepare: str = "auto"    # short convolutions: "auto" (triton on CUDA, compiled elsewhere), "compiled"
                              # (kda_prepare everywhere), "triton" (kernels.short_conv; CUDA only)
 
 # %% ../chapters/00_foundations.ipynb #08488b71

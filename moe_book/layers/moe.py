@@ -40,12 +40,14 @@ def swiglu(gate, up):
 
 ACTIVATIONS = {"situ": situ_glu, "swiglu": swiglu}
 
+
 def _on_packed(fn):
     "fn(gate, up) as a function of h = [gate | up] along the last dim, the layout of one gate_up GEMM's output."
     def packed(h):
         gate, up = h.chunk(2, dim=-1)
         return fn(gate, up)
-    packed.__name__, packed.__doc__ = f"{fn.__name__}_packed", fn.__doc__
+    packed.__name__ = f"{fn.__name__}_packed"
+    packed.__doc__ = f"{fn.__name__} of h = [gate | up] (..., 2 * hidden): {fn.__doc__}"
     return packed
 
 
