@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moe_book.config import ConfigError, MoEConfig, get_config
-from moe_book.layers.moe import (BALANCERS, GroupedExperts, LatentMoE, MaxVioAlert, Router, experts_reference,
+from moe_book.layers.moe import (BALANCERS, router_logits, split_weight, GroupedExperts, LatentMoE, MaxVioAlert, Router, experts_reference,
                                  expert_counts, grouped_mm_works, load_stats, make_balancer, maxvio_summary,
                                  moe_panel, quantile_bias, situ_glu, swiglu, worst_maxvio)
 
@@ -122,6 +122,28 @@ def test_layer_matches_composed_reference_with_grads():
         assert rms_rel(a, b) < 1e-5
 
 
+def test_latent_and_shared_projections_in_one_gemm():
+    """With a latent projection and a shared expert, LatentMoE projects x for both in one stacked GEMM: the same
+    output and gradients as latent_down(x) and the shared expert's own gate_up (fp64)."""
+    torch.manual_seed(0)
+    layer = LatentMoE(moe_model_cfg(latent_dim=32, n_shared=1), 0).double().eval()   # eval: no selection jitter
+    x = torch.randn(40, layer.router.proj.in_features, dtype=torch.float64, requires_grad=True)
+    h, shared_in = layer.in_projections(x)
+    assert torch.allclose(h, layer.latent_down(x), rtol=1e-12, atol=1e-12)
+    assert torch.allclose(shared_in, layer.shared.gate_up(x), rtol=1e-12, atol=1e-12)
+    y = layer(x)
+    params = [x, layer.latent_down.weight, layer.shared.gate_up.weight]
+    g_fused = torch.autograd.grad(y.square().sum(), params)
+    scores = layer.router.score(x)
+    idx, wts = layer.router.select(scores)
+    y_ref = layer.latent_up(layer.experts(layer.latent_down(x), idx, wts)) + layer.shared(x)
+    g_ref = torch.autograd.grad(y_ref.square().sum(), params)
+    assert torch.allclose(y, y_ref, rtol=1e-12, atol=1e-12)
+    assert all(torch.allclose(a, b, rtol=1e-10, atol=1e-12) for a, b in zip(g_fused, g_ref))
+    flat = LatentMoE(moe_model_cfg(latent_dim=0, n_shared=1), 0)
+    assert flat.in_projections(x.float())[1] is None                   # no latent: nothing to stack with
+
+
 def test_residual_out_and_init():
     cfg = moe_model_cfg(latent_dim=64)
     layer = LatentMoE(cfg, 0)
@@ -160,6 +182,42 @@ def test_router_scores_fp32_gradients_in_the_autocast_dtype():
     # each product in the backward carries up to three bf16 roundings (unit roundoff 2^-9 ~ 2e-3 each)
     assert rms_rel(dx16, dx32) < 1e-2 and rms_rel(dw16, dw32) < 1e-2
     assert rms_rel(dx16, dx32) > 0                                   # it really ran in bf16
+
+
+def test_split_weight_logits_match_fp64():
+    """The CUDA router's logits: x (bf16, exact) times the stacked [w_hi; w_lo] with fp32 accumulation. Emulated
+    here with fp64 products of the exact bf16 parts (what a tensor core computes before its fp32 sum): the split
+    alone is within 2^-17 of |w| per weight, and the logits within 2^-16 of their terms' size (measured ~1e-6), more
+    than 100x closer than a single bf16 weight gets (~7e-4)."""
+    torch.manual_seed(0)
+    n, d = 16, 256
+    w = torch.randn(n, d) / d ** 0.5
+    hi, lo = split_weight(w).double().split(n)
+    assert ((hi + lo) - w.double()).abs().max() <= 2 ** -17 * w.abs().max()
+    x = torch.randn(500, d).bfloat16()
+    ref = x.double() @ w.double().T
+    split = x.double() @ hi.T + x.double() @ lo.T
+    scale = (x.double().abs() @ w.double().abs().T).mean()
+    assert (split - ref).abs().max() / scale < 2 ** -16
+    one_bf16 = x.double() @ w.bfloat16().double().T                 # what the split's second half buys
+    assert (one_bf16 - ref).abs().max() > 100 * (split - ref).abs().max()
+    assert torch.equal(router_logits(x, w), torch.nn.functional.linear(x.float(), w))   # CPU: the fp32 GEMM
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_router_logits_cuda_split_gemm():
+    "On CUDA a bf16 x takes the split GEMM: within 2^-15 of fp64 (fp32 GEMM's own error included), same top-8 rows."
+    torch.manual_seed(0)
+    w = (torch.randn(128, 1024) / 32).cuda()
+    x = torch.randn(32768, 1024).cuda().bfloat16()
+    z = router_logits(x, w)
+    ref = x.double() @ w.double().T
+    scale = (x.double().abs() @ w.double().abs().T).mean()
+    assert z.dtype == torch.float32 and (z.double() - ref).abs().max() / scale < 2 ** -15
+    picks = torch.topk(z, 8).indices.sort(-1).values
+    ref_picks = torch.topk(ref, 8).indices.sort(-1).values
+    assert (picks != ref_picks).any(-1).float().mean() < 1e-3
 
 
 def test_bias_has_no_gradient_and_does_not_change_weights():

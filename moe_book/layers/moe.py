@@ -2,12 +2,12 @@
 
 # %% auto #0
 __all__ = ['SITU_BETA_GATE', 'SITU_BETA_UP', 'ACTIVATIONS', 'BALANCERS', 'situ_glu', 'swiglu', 'expert_activation', 'row_topk',
-           'expert_counts', 'selection_jitter', 'RouterLogits', 'Router', 'grouped_mm_works', 'grouped_linear',
-           'weighted_slot_sum', 'GroupedExperts', 'experts_reference', 'Balancer', 'AuxLossBalancer',
-           'SignBiasBalancer', 'ProportionalBalancer', 'QuantileStepBalancer', 'quantile_margins', 'quantile_sweep',
-           'anderson_extrapolate', 'quantile_bias', 'QuantileBalancer', 'QuantileLaggedBalancer', 'make_balancer',
-           'load_stats', 'check_moe_config', 'SharedExpert', 'LatentMoE', 'worst_maxvio', 'moe_panel', 'MaxVioAlert',
-           'maxvio_summary']
+           'expert_counts', 'selection_jitter', 'split_weight', 'router_logits', 'RouterLogits', 'Router',
+           'grouped_mm_works', 'grouped_linear', 'weighted_slot_sum', 'GroupedExperts', 'experts_reference', 'Balancer',
+           'AuxLossBalancer', 'SignBiasBalancer', 'ProportionalBalancer', 'QuantileStepBalancer', 'quantile_margins',
+           'quantile_sweep', 'anderson_extrapolate', 'quantile_bias', 'QuantileBalancer', 'QuantileLaggedBalancer',
+           'make_balancer', 'load_stats', 'check_moe_config', 'SharedExpert', 'LatentMoE', 'worst_maxvio', 'moe_panel',
+           'MaxVioAlert', 'maxvio_summary']
 
 # %% ../../chapters/05_moe.ipynb #48e5154e
 """Stable Latent MoE (chapter 05): a sigmoid top-k router with a gradient-free selection bias, SiTU-GLU or SwiGLU
@@ -100,16 +100,50 @@ def selection_jitter(n_tokens: int, n_experts: int, amplitude: float, device) ->
     return _JITTER[key]
 
 
+_MM_FP32_OUT = {}
+
+
+def _bf16_gemm_fp32_out(device) -> bool:
+    "Whether torch.mm takes out_dtype=float32 for bf16 inputs on this device (CUDA, recent torch), probed once."
+    key = str(device)
+    if key not in _MM_FP32_OUT:
+        try:
+            a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
+            _MM_FP32_OUT[key] = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+        except (RuntimeError, TypeError, NotImplementedError):
+            _MM_FP32_OUT[key] = False
+    return _MM_FP32_OUT[key]
+
+
+def split_weight(w):
+    "w (fp32) as the stacked [w_hi; w_lo], both bf16, with w_hi + w_lo = w up to 2^-17 of |w| (w_lo's rounding)."
+    hi = w.bfloat16()
+    return torch.cat([hi, (w - hi.float()).bfloat16()])
+
+
+def router_logits(x, w):
+    """x (N, d) @ w (n, d)ᵀ to fp32 accuracy, fp32 out. For a bf16 x on CUDA (the layer's input under autocast) one
+    bf16 tensor-core GEMM against the stacked split weight, fp32 accumulate and output: x is exact in bf16, so
+    x·w_hi + x·w_lo differs from x·w by w_lo's rounding alone (relative ~1e-5 of a logit's terms, against
+    fp32's ~1e-7 — far below the 1e-3 steps the balancers move the bias in). An fp32 SGEMM on CUDA cores took
+    0.18 ms a layer on an H100 (2.7 ms a step, 2026-12-07). Elsewhere the fp32 GEMM."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and _bf16_gemm_fp32_out(x.device):
+        z = torch.mm(x, split_weight(w.float()).t(), out_dtype=torch.float32)
+        return z[:, :w.shape[0]] + z[:, w.shape[0]:]
+    return F.linear(x.float(), w.float())
+
+
 class RouterLogits(torch.autograd.Function):
     """x (N, d) @ w (n, d)^T in fp32, with a backward in `grad_dtype` (the surrounding autocast dtype: bf16 when
     training on the GPU). The fp32 matters for the forward only: it decides which experts are picked (a bf16 score
     has ~3 significant digits, and neighbouring scores sit ~5e-3 apart). The backward's two GEMMs, dx and dw, are
     ordinary gradients that need no more precision than any other bf16 layer's; in fp32 they were two of the
-    router's three fp32 GEMMs (1.13 ms together on the H200). x is saved in grad_dtype too: under autocast that is half the bytes of an fp32 copy."""
+    router's three fp32 GEMMs (1.13 ms together on the H200). x is saved in grad_dtype too: under autocast that is half the bytes of an fp32 copy.
+    The forward is `router_logits`."""
     @staticmethod
     def forward(ctx, x, w, grad_dtype):
         ctx.save_for_backward(x.to(grad_dtype), w)
-        return F.linear(x.float(), w.float())
+        return router_logits(x, w)
 
     @staticmethod
     def backward(ctx, grad):
@@ -587,8 +621,9 @@ class SharedExpert(nn.Module):
         self.down = nn.Linear(d_hidden, d_model, bias=False)
         self.down.is_residual_out = True
 
-    def forward(self, x):
-        return self.down(expert_activation(self.act, self.gate_up(x)))
+    def forward(self, x, gate_up=None):
+        "gate_up: self.gate_up(x), if the caller computed it (LatentMoE does, in one GEMM with its latent projection)."
+        return self.down(expert_activation(self.act, self.gate_up(x) if gate_up is None else gate_up))
 
 
 class LatentMoE(nn.Module):
@@ -633,11 +668,11 @@ class LatentMoE(nn.Module):
                 picking = picking + jitter
             bias = self.balancer.route_bias(picking, bias)           # in-forward balancers solve this batch's bias
         expert_idx, weights = self.router.select(scores, bias, jitter)
-        h = self.latent_down(x) if self.latent_down is not None else x
+        h, shared_in = self.in_projections(x)
         y = self.experts(h, expert_idx, weights, backend=backend)
         y = self.latent_up(y) if self.latent_up is not None else y
         if self.shared is not None:
-            y = y + self.shared(x)
+            y = y + self.shared(x, shared_in)
         if self.training and torch.is_grad_enabled():
             with torch.no_grad():
                 self.step_load += expert_counts(expert_idx, self.n_experts)
@@ -652,6 +687,15 @@ class LatentMoE(nn.Module):
         else:
             self.aux_loss = None
         return y.view(*shape[:-1], y.shape[-1])
+
+    def in_projections(self, x):
+        """(the experts' input, the shared expert's gate_up output or None). With both a latent projection and a
+        shared expert, one GEMM against their two weights stacked: x's gradient then comes from one matmul, not two
+        and a (tokens, d) sum."""
+        if self.latent_down is None or self.shared is None:
+            return (x if self.latent_down is None else self.latent_down(x)), None
+        down, gate_up = self.latent_down.weight, self.shared.gate_up.weight
+        return F.linear(x, torch.cat([down, gate_up])).split([down.shape[0], gate_up.shape[0]], -1)
 
     def _count_forward(self):
         self._forwards += 1
