@@ -88,11 +88,11 @@ def tf32():
         torch.backends.cuda.matmul.allow_tf32 = False
 
 
-cands = {"fp32 (current)": lambda: torch.nn.functional.linear(xb.float(), w.float()),
+cands = {"fp32 SGEMM (the router until 2026-12-07)": lambda: torch.nn.functional.linear(xb.float(), w.float()),
          "tf32": tf32,
          "bf16 x, w = w_hi + w_lo (2 bf16 GEMMs)": split3,
          "stacked [w_hi; w_lo], one bf16 GEMM, bf16 out": stacked,
-         "stacked [w_hi; w_lo], one bf16 GEMM, fp32 out": stacked_fp32_out,
+         "stacked [w_hi; w_lo], one bf16 GEMM, fp32 out (router_logits)": stacked_fp32_out,
          "bf16 (one GEMM, fp32 out)": lambda: (xb @ w.bfloat16().T).float()}
 res["logits"] = {}
 for name, fn in cands.items():
