@@ -104,12 +104,16 @@ _MM_FP32_OUT = {}
 
 
 def _bf16_gemm_fp32_out(device) -> bool:
-    "Whether torch.mm takes out_dtype=float32 for bf16 inputs on this device (CUDA, recent torch), probed once."
+    """Whether torch.mm takes out_dtype=float32 for bf16 inputs on this device (CUDA, recent torch) and gets the
+    right numbers; probed once, outside CUDA-graph capture (the check reads a value back: a host sync)."""
     key = str(device)
     if key not in _MM_FP32_OUT:
+        if torch.cuda.is_current_stream_capturing():
+            return False                  # not probed yet: the fp32 GEMM this once (warm-up steps probe it first)
         try:
-            a = torch.ones(16, 16, device=device, dtype=torch.bfloat16)
-            _MM_FP32_OUT[key] = torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32
+            a = torch.arange(256, device=device).view(16, 16).remainder(7).sub(3).bfloat16() / 8
+            z = torch.mm(a, a.t(), out_dtype=torch.float32)
+            _MM_FP32_OUT[key] = z.dtype == torch.float32 and bool(torch.equal(z, a.float() @ a.float().t()))
         except (RuntimeError, TypeError, NotImplementedError):
             _MM_FP32_OUT[key] = False
     return _MM_FP32_OUT[key]
