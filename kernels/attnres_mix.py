@@ -213,7 +213,7 @@ def merge_norm_bwd_kernel(U, LSE, P, W, NW, DY, DU, DP, DLSE, DW_PART, DNW_PART,
     tl.store(DNW_PART + pid * D + cols, tl.sum(dnw_acc, axis=0), mask=cols < D)
 
 
-MERGE_LAUNCH = {"fwd": dict(BLOCK_M=4, num_warps=8), "bwd": dict(BLOCK_M=2, num_warps=8, programs_per_sm=4)}
+MERGE_LAUNCH = {"fwd": dict(BLOCK_M=4, num_warps=8), "bwd": dict(BLOCK_M=4, num_warps=4, programs_per_sm=2)}
 
 
 @functools.lru_cache(maxsize=None)
