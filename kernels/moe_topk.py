@@ -79,10 +79,10 @@ def quantile_margins(scores, bias, k: int):
     scores = scores.float().contiguous()
     margin = torch.empty(n, N, device=scores.device, dtype=torch.float32)
     BLOCK_C = triton.next_power_of_2(n)
-    BLOCK_R = max(1, min(64, 8192 // BLOCK_C))
+    BLOCK_R = 8     # 8 rows on 8 warps: 32 us at 32K x 128 on an H100, 51 us as 64 rows on 4 (quantile_solve_probe)
     if N:
         quantile_margins_kernel[(triton.cdiv(N, BLOCK_R),)](scores, bias.float().contiguous(), margin, N, n, K=k,
-                                                            BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=4)
+                                                            BLOCK_R=BLOCK_R, BLOCK_C=BLOCK_C, num_warps=8)
     return margin
 
 

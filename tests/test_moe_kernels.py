@@ -127,6 +127,27 @@ def test_boundary_midpoints_equal_two_topk_selections(n, N, share):
     assert torch.equal(got, _midpoints_two_topk(m, share))
 
 
+@pytest.mark.parametrize("low_bits", [0, 8, 16, 24])
+def test_boundary_midpoints_when_the_boundary_keys_differ_only_below_a_byte(low_bits):
+    "Margins that share their top bytes: the radix select must carry the prefix and the count above it through each byte."
+    from moe_book.kernels.moe_topk import boundary_midpoints
+    gen = torch.Generator().manual_seed(low_bits)
+    base = torch.tensor([1.5, -0.75]).view(torch.int32)                       # one positive, one negative row
+    jitter = torch.randint(0, 1 << low_bits, (2, 3000), generator=gen, dtype=torch.int32)   # low_bits 0: all tied
+    m = (base[:, None] + jitter).view(torch.float32)                          # equal above bit `low_bits`
+    m[:, :7] = torch.tensor([9.0, -9.0])[:, None]                             # a few far from the pack
+    for share in (1, 7, 8, 1500, 2999):
+        assert torch.equal(boundary_midpoints(m.to(DEV), share).cpu(), _midpoints_two_topk(m, share)), share
+
+
+def test_boundary_midpoints_on_a_full_row_of_65536_tokens():
+    from moe_book.kernels.moe_topk import BOUNDARY_MAX_TOKENS, boundary_midpoints
+    m = torch.randn(2, BOUNDARY_MAX_TOKENS, generator=torch.Generator().manual_seed(3))
+    m[1] = (m[1] * 4).round() / 4                                             # a few dozen values, all tied
+    share = BOUNDARY_MAX_TOKENS * 8 // 128
+    assert torch.equal(boundary_midpoints(m.to(DEV), share).cpu(), _midpoints_two_topk(m, share))
+
+
 def test_boundary_midpoints_reject_bad_shapes():
     from moe_book.kernels.moe_topk import BOUNDARY_MAX_TOKENS, boundary_midpoints
     with pytest.raises(ValueError, match="0 < share < N"):
