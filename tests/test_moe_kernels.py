@@ -129,7 +129,7 @@ def test_boundary_midpoints_equal_two_topk_selections(n, N, share):
 
 @pytest.mark.parametrize("low_bits", [0, 8, 16, 24])
 def test_boundary_midpoints_when_the_boundary_keys_differ_only_below_a_byte(low_bits):
-    "Margins that share their top bytes: the radix select must carry the prefix and the count above it through each byte."
+    "Margins that share their top bytes, so the bisection's first passes all agree and the bits below decide (ties too)."
     from moe_book.kernels.moe_topk import boundary_midpoints
     gen = torch.Generator().manual_seed(low_bits)
     base = torch.tensor([1.5, -0.75]).view(torch.int32)                       # one positive, one negative row

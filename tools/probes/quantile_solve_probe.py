@@ -9,7 +9,8 @@ kernels ran 240 times in the H100's eager step of 2026-12-07 (quantile_margins_k
     packs each biased score's sort key with its column into one uint64, so each of the k+1 rounds takes one max
     instead of a max and a min (`packed_margins_kernel`), all compared bit for bit with the committed launch;
   - the whole solve, quantile_bias with the default 8 sweeps, as the trainer calls it.
-Writes $OUT/quantile_solve_probe.json."""
+The rows in results/step_ab_h100_2026-12-07.json came from this probe's first run, with a wider margins grid
+(BLOCK_R 8-64, 1-8 warps) that ran past its 90 s; give it ~150 s. Writes $OUT/quantile_solve_probe.json."""
 import itertools, json, os, time
 import torch
 import triton
