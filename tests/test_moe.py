@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from moe_book.config import ConfigError, MoEConfig, get_config
-from moe_book.layers.moe import (BALANCERS, router_logits, split_weight, GroupedExperts, LatentMoE, MaxVioAlert, Router, experts_reference,
+from moe_book.layers.moe import (BALANCERS, GroupedExperts, LatentMoE, MaxVioAlert, Router, experts_reference,
                                  expert_counts, grouped_mm_works, load_stats, make_balancer, maxvio_summary,
-                                 moe_panel, quantile_bias, situ_glu, swiglu, worst_maxvio)
+                                 moe_panel, quantile_bias, router_logits, situ_glu, split_weight, swiglu, worst_maxvio)
 
 # The tiny preset now runs every piece; these tests start from tiny with a plain residual, MoE in every layer and
 # no latent projection, and add only what each test names.

@@ -142,8 +142,7 @@ class RouterLogits(torch.autograd.Function):
     training on the GPU). The fp32 matters for the forward only: it decides which experts are picked (a bf16 score
     has ~3 significant digits, and neighbouring scores sit ~5e-3 apart). The backward's two GEMMs, dx and dw, are
     ordinary gradients that need no more precision than any other bf16 layer's; in fp32 they were two of the
-    router's three fp32 GEMMs (1.13 ms together on the H200). x is saved in grad_dtype too: under autocast that is half the bytes of an fp32 copy.
-"""
+    router's three fp32 GEMMs (1.13 ms together on the H200). x is saved in grad_dtype too: under autocast that is half the bytes of an fp32 copy."""
     @staticmethod
     def forward(ctx, x, w, grad_dtype):
         ctx.save_for_backward(x.to(grad_dtype), w)

@@ -8,7 +8,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 from triton.testing import do_bench
 from moe_book.config import ModelConfig, MoEConfig
-from moe_book.layers.moe import LatentMoE, row_topk
+from moe_book.layers.moe import LatentMoE, _bf16_gemm_fp32_out, router_logits, row_topk, split_weight
 from moe_book.bench.moe import SHAPES
 
 OUT = os.environ.get("OUT", "/tmp")
@@ -63,20 +63,12 @@ ref_idx = torch.topk(ref, k, dim=-1).indices.sort(-1).values
 
 
 def split3():
-    xh, wh = xb, w.bfloat16()                    # x is bf16 already, so its low part is zero: two passes suffice
-    wl = (w - wh.float()).bfloat16()
-    return (xh @ wh.T).float() + (xh @ wl.T).float()
+    hi, lo = split_weight(w).split(E)          # x is bf16 already, so its low part is zero: two passes suffice
+    return (xb @ hi.T).float() + (xb @ lo.T).float()
 
 
 def stacked():
-    wh = w.bfloat16()
-    z = (xb @ torch.cat([wh, (w - wh.float()).bfloat16()]).T).float()   # bf16 out: rounds each half
-    return z[:, :E] + z[:, E:]
-
-
-def stacked_fp32_out():
-    wh = w.bfloat16()
-    z = torch.mm(xb, torch.cat([wh, (w - wh.float()).bfloat16()]).T, out_dtype=torch.float32)
+    z = (xb @ split_weight(w).T).float()       # bf16 out: rounds each half
     return z[:, :E] + z[:, E:]
 
 
@@ -92,9 +84,10 @@ cands = {"fp32 SGEMM (the router until 2026-12-07)": lambda: torch.nn.functional
          "tf32": tf32,
          "bf16 x, w = w_hi + w_lo (2 bf16 GEMMs)": split3,
          "stacked [w_hi; w_lo], one bf16 GEMM, bf16 out": stacked,
-         "stacked [w_hi; w_lo], one bf16 GEMM, fp32 out (router_logits)": stacked_fp32_out,
+         "stacked [w_hi; w_lo], one bf16 GEMM, fp32 out (router_logits)": lambda: router_logits(xb, w),
          "bf16 (one GEMM, fp32 out)": lambda: (xb @ w.bfloat16().T).float()}
 res["logits"] = {}
+res["router_logits_takes_split_gemm"] = _bf16_gemm_fp32_out(dev)   # else it is the fp32 GEMM
 for name, fn in cands.items():
     try:
         z = fn()

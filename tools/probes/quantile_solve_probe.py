@@ -150,7 +150,7 @@ def main():
     committed_sel = next(r for r in rows if r["part"] == "selection" and r["kernel"] == "bisection"
                          and r["num_warps"] == max(4, min(32, BLOCK // 2048)))
     committed_mar = next(r for r in rows if r["part"] == "margins" and r["kernel"] == "committed"
-                         and (r["BLOCK_R"], r["num_warps"]) == (8, 8))
+                         and dict(BLOCK_R=r["BLOCK_R"], num_warps=r["num_warps"]) == mt.MARGINS_LAUNCH)
     out = dict(probe="quantile_solve_probe", device=torch.cuda.get_device_name(), torch=torch.__version__,
                triton=triton.__version__, date=time.strftime("%Y-%m-%d %H:%M:%S"), shape=dict(N=N, n=n, k=k),
                rows=rows, solve=solve,
