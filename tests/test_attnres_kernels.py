@@ -90,15 +90,40 @@ def test_triton_mixes_bf16_blocks_and_bad_shapes():
     assert all(x.dtype == torch.bfloat16 for x in g)
     with pytest.raises(ValueError, match=r"\(B, T, n, q\) fp32"):
         block_open_mixes_triton(logits.double(), blocks)
+    with pytest.raises(ValueError, match="mix_dtype"):
+        block_open_mixes_triton(logits, blocks, torch.float16)
     with pytest.raises(ValueError, match="same"):
         block_open_mixes_triton(logits, blocks[:1])
     with pytest.raises(ValueError, match="same"):
         block_open_mixes_triton(logits, [blocks[0], blocks[1][:, :2]])
 
 
-def _drive_both_agree(a, b, read, params=()):
+def test_triton_mixes_stored_in_bf16():
+    """mix_dtype=bf16 rounds only what is stored. The mixes equal block_open_mixes to one bf16 rounding of each element
+    (half a spacing, 2^-8 relative, on the GPU; up to a whole one, 2^-7, in the interpreter, which truncates), plus
+    the fp32 sum's own error; their gradients come in bf16 and are read as they are, so the logits' and blocks'
+    gradients equal the fp64 reference given the same bf16 gradients, to fp32 rounding."""
+    gen = torch.Generator().manual_seed(11)
+    logits = (2 * torch.randn(2, 5, 3, 4, generator=gen)).to(DEV).requires_grad_()
+    blocks = [torch.randn(2, 5, 96, generator=gen).to(DEV).requires_grad_() for _ in range(3)]
+    dU = torch.randn(2, 5, 4, 96, generator=gen).to(DEV, torch.bfloat16)
+    mixes, lse = block_open_mixes_triton(logits, blocks, torch.bfloat16)
+    assert all(m.dtype == torch.bfloat16 and m.shape == (2, 5, 96) for m in mixes) and lse.dtype == torch.float32
+    U = torch.stack(mixes, -2)
+    gl, *gb = torch.autograd.grad((U.float() * dU.float()).sum() + lse.sum(), (logits, *blocks))
+    l64, b64 = logits.detach().double().requires_grad_(), [b.detach().double().requires_grad_() for b in blocks]
+    U_ref, lse_ref = block_open_mixes(l64, b64)
+    assert ((U.double() - U_ref).abs() <= 2 ** -7 * U_ref.abs() + 1e-6 * U_ref.abs().max()).all()
+    assert _rel(lse, lse_ref) < 1e-6
+    gl_ref, *gb_ref = torch.autograd.grad((U_ref * dU.double()).sum() + lse_ref.sum(), (l64, *b64))
+    for got, ref in ((gl, gl_ref), *zip(gb, gb_ref)):
+        assert _rel(got, ref) < 1e-6
+
+
+def _drive_both_agree(a, b, read, params=(), tol=(1e-5, 1e-4)):
     """Drive two BlockAttnRes (a's random queries copied into b) through 8 sublayers on the GPU with `read(res, state,
-    i)`: the reads and the gradients of e, the queries and `params` must agree to fp32 rounding of the mixes' sums."""
+    i)`: the reads and the gradients of e, the queries and `params` must agree to `tol` (reads, gradients); by default
+    fp32 rounding of the mixes' sums."""
     for q in a.queries:
         torch.nn.init.normal_(q, std=0.5)
     b.load_state_dict(a.state_dict())
@@ -112,16 +137,17 @@ def _drive_both_agree(a, b, read, params=()):
             st = r.write(st, i, o)
         y = torch.stack(reads + [r.end(st)])
         res.append((y, torch.autograd.grad(y.square().sum(), [e, *r.queries, *params])))
-    assert _rel(res[1][0], res[0][0]) < 1e-5
+    assert _rel(res[1][0], res[0][0]) < tol[0]
     for ga, gb in zip(res[0][1], res[1][1]):
-        assert _rel(gb, ga) < 1e-4
+        assert _rel(gb, ga) < tol[1]
 
 
 @pytest.mark.gpu
 def test_block_attnres_with_triton_mixes_matches_the_compiled_mixes():
     cfg = get_config("tiny", ["model.n_layers=4", "model.d_model=64", "model.attnres_block=1"]).model
     torch.manual_seed(0)
-    a, b = BlockAttnRes(cfg, triton_mixes=False).cuda(), BlockAttnRes(cfg, triton_mixes=True).cuda()
+    a = BlockAttnRes(cfg, triton_mixes=False).cuda()
+    b = BlockAttnRes(cfg, triton_mixes=True, mix_dtype=torch.float32).cuda()
     _drive_both_agree(a, b, lambda r, st, i: r.read(st, i))
 
 
@@ -166,6 +192,16 @@ def test_triton_merge_dtypes_and_bad_shapes():
     assert y.dtype == torch.bfloat16 and _rel(y, y_ref) < 2 ** -7
     (gp,) = torch.autograd.grad(y.float().sum(), p)
     assert gp.dtype == torch.bfloat16
+    # a bf16 mix (BlockAttnRes's default storage): computed in fp32, its gradient stored straight into bf16
+    ub, pf = u.to(torch.bfloat16).requires_grad_(), p.detach().float()
+    dy = torch.randn(1, 4, 32, generator=gen).to(DEV)
+    y, _ = merge_partial_normed_triton(ub, lse, pf, w, 1e-6, g, 1e-6, torch.float32)
+    (gu,) = torch.autograd.grad((y * dy).sum(), ub)
+    u64 = ub.detach().double().requires_grad_()
+    y_ref, _ = merge_partial_normed(u64, lse.double(), pf.double(), w.double(), 1e-6, g.double(), 1e-6, torch.float64)
+    (gu_ref,) = torch.autograd.grad((y_ref * dy.double()).sum(), u64)
+    assert _rel(y, y_ref) < 1e-6                               # the bf16 values themselves are read exactly
+    assert gu.dtype == torch.bfloat16 and _rel(gu, gu_ref) < 2 ** -7
     with pytest.raises(ValueError, match=r"u and partial \(B, T, d\)"):
         merge_partial_normed_triton(u, lse[:, :3], p, w, 1e-6, g, 1e-6, torch.float32)
 
@@ -181,3 +217,43 @@ def test_block_attnres_with_triton_merge_matches_the_compiled_merge():
     for n in norms:
         torch.nn.init.normal_(n.weight, 1.0, 0.1)
     _drive_both_agree(a, b, lambda r, st, i: r.read_normed(st, i, norms[i]), list(norms.parameters()))
+
+
+@pytest.mark.gpu
+def test_block_attnres_bf16_mixes_match_fp32_mixes_to_bf16_rounding():
+    """The default (bf16 mixes) against fp32 mixes on the fused read path: reads within two bf16 roundings (a mix's
+    own, at most 2^-8 of it, carried through the merge's convex sum and the pre-norm), gradients within a few
+    (the rounded reads change the loss's gradient, and the mixes' gradients are rounded once more)."""
+    from moe_book.layers.base import RMSNorm
+    cfg = get_config("tiny", ["model.n_layers=4", "model.d_model=64", "model.attnres_block=1"]).model
+    torch.manual_seed(0)
+    a, b = BlockAttnRes(cfg, mix_dtype=torch.float32).cuda(), BlockAttnRes(cfg).cuda()
+    norms = torch.nn.ModuleList(RMSNorm(64) for _ in range(8)).cuda()
+    _drive_both_agree(a, b, lambda r, st, i: r.read_normed(st, i, norms[i]), tol=(2 ** -7, 2 ** -6))
+
+
+@pytest.mark.gpu
+def test_bf16_mixes_move_the_loss_less_than_bf16_autocast_does():
+    """The tiny model (every piece on) on one batch: storing the mixes in bf16 moves the loss and its gradient by
+    less than bf16 autocast itself moves them (both against fp32 mixes; autocast off vs on)."""
+    from moe_book.model import CausalLM
+    cfg = get_config("tiny").model
+    torch.manual_seed(0)
+    model = CausalLM(cfg).cuda()
+    for q in model.residual.queries:
+        torch.nn.init.normal_(q, std=0.5)
+    x = torch.randint(0, cfg.vocab_size, (2, 257), device="cuda")
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def run(mix_dtype, amp):
+        model.residual.mix_dtype = mix_dtype
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=amp):
+            _, loss = model(x[:, :-1], x[:, 1:])
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        return loss.item(), torch.cat([g.flatten() for g in grads if g is not None])
+
+    l32, g32 = run(torch.float32, False)
+    lamp, gamp = run(torch.float32, True)
+    lmix, gmix = run(torch.bfloat16, True)
+    assert abs(lmix - lamp) < abs(lamp - l32)
+    assert (gmix - gamp).norm() < (gamp - g32).norm()

@@ -81,7 +81,7 @@ def step_time(cfg, device, steps: int = 10, warmup: int = 3, **residual) -> dict
     """Median ms of one training step (fwd + bwd + clip + AdamW, bf16 autocast on CUDA) and peak memory, random
     tokens, run the way the trainer runs it: one replayed CUDA graph where the trainer would use one
     (train.cuda_graph; an eager step on this host is partly launch-bound, chapter 09), else eager. `residual`:
-    BlockAttnRes attributes to set instead of its defaults (fused, two_phase, triton_mixes, triton_merge); warmup
+    BlockAttnRes attributes to set instead of its defaults (fused, two_phase, triton_mixes, triton_merge, mix_dtype); warmup
     steps absorb compilation and the graph capture."""
     from moe_book.train import GraphedStep, make_optimizer, training_step, use_cuda_graph
     torch.manual_seed(cfg.train.seed)
@@ -227,7 +227,8 @@ def main(argv=None):
     # paths are timed too, to show what each piece buys.
     timing_arms = [("plain", cfgs["plain"], {}), ("block_attnres", cfgs["block_attnres"], {})]
     if device.type == "cuda" and not a.default_path_only:
-        timing_arms += [("block_attnres_compiled_mixes", cfgs["block_attnres"], dict(triton_mixes=False)),
+        timing_arms += [("block_attnres_fp32_mixes", cfgs["block_attnres"], dict(mix_dtype=torch.float32)),
+                        ("block_attnres_compiled_mixes", cfgs["block_attnres"], dict(triton_mixes=False)),
                         ("block_attnres_compiled_merge", cfgs["block_attnres"], dict(triton_merge=False)),
                         ("block_attnres_fused_one_read", cfgs["block_attnres"], dict(fused=True, two_phase=False)),
                         ("block_attnres_eager", cfgs["block_attnres"], dict(fused=False, two_phase=False))]
@@ -257,8 +258,8 @@ def main(argv=None):
     res["summary"] = {"step_time_overhead": tb["ms"] / tp["ms"] - 1,
                       "peak_mem_overhead": tb["peak_gib"] / tp["peak_gib"] - 1 if tp["peak_gib"] else None,
                       "block_read_path": res["block_read_path"]}
-    for arm in ("block_attnres_compiled_mixes", "block_attnres_compiled_merge", "block_attnres_fused_one_read",
-                "block_attnres_eager"):
+    for arm in ("block_attnres_fp32_mixes", "block_attnres_compiled_mixes", "block_attnres_compiled_merge",
+                "block_attnres_fused_one_read", "block_attnres_eager"):
         if arm in res["timing"]:
             res["summary"][f"step_time_overhead_{arm[len('block_attnres_'):]}"] = res["timing"][arm]["ms"] / tp["ms"] - 1
     if a.steps > 0:
