@@ -212,7 +212,9 @@ def test_block_attnres_with_triton_merge_matches_the_compiled_merge():
     from moe_book.layers.base import RMSNorm
     cfg = get_config("tiny", ["model.n_layers=4", "model.d_model=64", "model.attnres_block=2"]).model
     torch.manual_seed(0)
-    a, b = BlockAttnRes(cfg, triton_merge=False).cuda(), BlockAttnRes(cfg, triton_merge=True).cuda()
+    # fp32 mixes in both: what is compared is the merge kernel, not the mixes' storage
+    a = BlockAttnRes(cfg, triton_merge=False, mix_dtype=torch.float32).cuda()
+    b = BlockAttnRes(cfg, triton_merge=True, mix_dtype=torch.float32).cuda()
     norms = torch.nn.ModuleList(RMSNorm(64) for _ in range(8)).cuda()
     for n in norms:
         torch.nn.init.normal_(n.weight, 1.0, 0.1)
@@ -228,7 +230,7 @@ def test_block_attnres_bf16_mixes_match_fp32_mixes_to_bf16_rounding():
     from moe_book.layers.base import RMSNorm
     cfg = get_config("tiny", ["model.n_layers=4", "model.d_model=64", "model.attnres_block=1"]).model
     torch.manual_seed(0)
-    a, b = BlockAttnRes(cfg, mix_dtype=torch.float32).cuda(), BlockAttnRes(cfg).cuda()
+    a, b = BlockAttnRes(cfg, mix_dtype=torch.float32).cuda(), BlockAttnRes(cfg, mix_dtype=torch.bfloat16).cuda()
     norms = torch.nn.ModuleList(RMSNorm(64) for _ in range(8)).cuda()
     for n in norms:
         torch.nn.init.normal_(n.weight, 1.0, 0.1)
@@ -260,5 +262,6 @@ def test_bf16_mixes_move_the_loss_less_than_bf16_autocast_does():
     l32, g32 = run(torch.float32, False)
     lamp, gamp = run(torch.float32, True)
     lmix, gmix = run(torch.bfloat16, True)
+    assert not torch.equal(gmix, gamp)              # the setting took effect: the mixes were stored in bf16
     assert abs(lmix - lamp) < abs(lamp - l32)
     assert (gmix - gamp).norm() < (gamp - g32).norm()

@@ -304,7 +304,9 @@ class BlockAttnRes(_Readers):
             return self._open((x,), (self._keys(x, 1),), 0)
 
     def _mix(self, state: BlockState, k: int):
-        "h for reader k: softmax over [completed blocks, partial] in fp32 (see block_mix and merge_partial)."
+        """h for reader k: softmax over [completed blocks, partial] in fp32 (see block_mix and merge_partial). A reader
+        with no partial sum to merge (the first of a block, and the output) gets its mix itself, in the stream's
+        dtype: a bf16 mix (mix_dtype) is widened, so it is rounded once, as stored."""
         j = k - state.first
         s = state.logits[..., j].contiguous()                             # (B, T, n), computed when the block opened
         if state.mixes is None:                                           # one read at a time
