@@ -124,8 +124,8 @@ def step_time(cfg, device, steps: int = 10, warmup: int = 3, **residual) -> dict
     median = sorted(times)[len(times) // 2]
     out = {"ms": median, "ms_all": times, "tokens_per_s": B * T / (median / 1e3), "cuda_graph": graphed,
            "params": model.num_params(), "peak_gib": torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None}
-    if hasattr(model.residual, "mix_dtype"):      # the Triton block mixes' storage this arm ran with
-        out["mix_dtype"] = str(model.residual.mix_dtype or attnres_mod.DEFAULT_MIX_DTYPE)
+    if hasattr(model.residual, "mix_storage_dtype"):      # the Triton block mixes' storage this arm ran with
+        out["mix_dtype"] = str(model.residual.mix_storage_dtype())
     del model, opt, step
     if device.type == "cuda":
         torch.cuda.empty_cache()

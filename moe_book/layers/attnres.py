@@ -288,10 +288,14 @@ class BlockAttnRes(_Readers):
         "Each reader's mix of the completed blocks, as q separate tensors (B, T, d), and their lse (B, T, q)."
         if self._triton(self.triton_mixes, blocks[0]) and logits.dtype == torch.float32:
             from moe_book.kernels.attnres_mix import block_open_mixes_triton
-            return block_open_mixes_triton(logits, blocks, DEFAULT_MIX_DTYPE if self.mix_dtype is None else self.mix_dtype)
+            return block_open_mixes_triton(logits, blocks, self.mix_storage_dtype())
         mix = compiled(block_open_mixes_fusable) if self._fused(blocks[0]) else block_open_mixes_fusable
         U, lse = mix(logits, blocks)
         return U.unbind(-2), lse            # separate tensors, so each read's gradient is not a scatter into U
+
+    def mix_storage_dtype(self) -> torch.dtype:
+        "The dtype the Triton block mixes are stored in: mix_dtype, or DEFAULT_MIX_DTYPE when that is None."
+        return DEFAULT_MIX_DTYPE if self.mix_dtype is None else self.mix_dtype
 
     def _fused(self, x) -> bool:
         return x.is_cuda if self.fused is None else self.fused
